@@ -1,0 +1,58 @@
+"""The agent's one error hierarchy.
+
+::
+
+    BcdError                 anything bcd reports to its user as one line
+    ├── ConfigError          config.toml is missing, malformed, or has a bad pin
+    ├── UsageError           the command line is wrong (exit 2)
+    ├── CredentialError      the join credential could not be read safely
+    ├── IdentityError        the identity in the data directory does not load
+    ├── JoinError            the join failed (refused, or the answer did not verify)
+    │   └── RetryableError   the control plane asked to retry (UNAVAILABLE, ...)
+    └── TransportError       the gateway could not be reached or did not verify
+
+Every message says what happened and, where there is one, the way back.
+Lower-layer exceptions are translated at the boundary with ``raise ... from exc``.
+"""
+
+from __future__ import annotations
+
+
+class BcdError(Exception):
+    """Raised for any failure bcd reports to its user; ``str()`` is the message."""
+
+    exit_code = 1
+
+
+class ConfigError(BcdError):
+    """Raised when config.toml cannot be used: missing, unknown key, malformed pin."""
+
+
+class UsageError(BcdError):
+    """Raised when the command line is wrong; bcd exits 2."""
+
+    exit_code = 2
+
+
+class CredentialError(BcdError):
+    """Raised when the join credential cannot be read safely (never echoes it)."""
+
+
+class IdentityError(BcdError):
+    """Raised when the identity in the data directory does not load."""
+
+
+class JoinError(BcdError):
+    """Raised when the join is refused or its answer does not verify."""
+
+
+class RetryableError(JoinError):
+    """Raised for an answer that may be retried; ``pushback_s`` is the server's wait."""
+
+    def __init__(self, message: str, pushback_s: float | None = None) -> None:
+        super().__init__(message)
+        self.pushback_s = pushback_s
+
+
+class TransportError(BcdError):
+    """Raised when the gateway cannot be reached or its certificate does not verify."""

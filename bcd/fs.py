@@ -1,0 +1,100 @@
+"""The one secure-filesystem module: every writer of keys, tokens and identities uses it.
+
+Files are written through a temporary file in the same directory, created with
+``O_CREAT | O_EXCL`` and an explicit mode, fsynced, renamed into place, and the
+directory is fsynced, so a crash leaves either the old file or the new one, never
+half of one. Nothing here follows a symlink an attacker could have planted at the
+final name: ``rename`` replaces the link itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+import stat
+from pathlib import Path
+
+
+def fsync_dir(directory: Path) -> None:
+    """Flush a directory entry change (a rename, a create) to disk."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def ensure_dir(path: Path, mode: int = 0o700) -> None:
+    """Create ``path`` (and parents) if needed and give it exactly ``mode``."""
+    path.mkdir(parents=True, exist_ok=True, mode=mode)
+    st = os.lstat(path)
+    if not stat.S_ISDIR(st.st_mode):
+        raise NotADirectoryError(f"{path} is not a directory")
+    if stat.S_IMODE(st.st_mode) != mode:
+        os.chmod(path, mode)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write ``data`` to ``path`` atomically with exactly ``mode``.
+
+    Either the previous content or the complete new content is at ``path`` after a
+    crash at any instant.
+    """
+    directory = path.parent
+    tmp = directory / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)
+        view = memoryview(data)
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(directory)
+
+
+def create_new(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write a new file; raise ``FileExistsError`` if anything is at ``path``.
+
+    The content appears complete or not at all: it is written to a temporary file and
+    linked into place with ``link``, which fails if the name exists.
+    """
+    directory = path.parent
+    tmp = directory / f".{path.name}.{secrets.token_hex(6)}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, mode)
+    try:
+        os.fchmod(fd, mode)
+        os.write(fd, data)
+        os.fsync(fd)
+        os.close(fd)
+        fd = -1
+        os.link(tmp, path)
+        fsync_dir(directory)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+
+
+def remove(path: Path) -> bool:
+    """Remove a file if present; return whether something was removed."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    fsync_dir(path.parent)
+    return True

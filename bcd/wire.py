@@ -1,0 +1,383 @@
+"""Wire formats both sides share: join requests, sealed tokens, signed responses, errors.
+
+Every parser here is a pure function that takes outside bytes or JSON values and
+returns a frozen value or raises :class:`WireError` (never anything else), so the
+control plane can map any failure to one uniform refusal and the property tests can
+feed them anything.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any
+
+from cryptography.hazmat.primitives.asymmetric import ec
+from jwcrypto import jwe, jwk
+from jwcrypto.common import JWException
+
+from bcd import pki
+
+PROTOCOL_VERSION = 1
+MAX_BODY = 64 * 1024
+SEAL_TYP = "bcjt+jwe"
+SEAL_MAX_SKEW_S = 300
+TOKEN_RE = re.compile(r"^bcjt_(jt_[0-9a-z]{26})\.([A-Za-z0-9_-]{43})$")
+_MAX_CLAIM = 256
+_MAX_LIST = 64
+
+
+class WireError(ValueError):
+    """Raised when a message does not parse; the text never contains the input."""
+
+
+# --- JSON helpers -----------------------------------------------------------------
+
+
+def dumps(obj: object) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("utf-8")
+
+
+def loads_object(data: bytes, limit: int = MAX_BODY) -> dict[str, Any]:
+    """Parse a JSON object of at most ``limit`` bytes."""
+    if len(data) > limit:
+        raise WireError("body too large")
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise WireError("body is not JSON") from exc
+    if not isinstance(obj, dict):
+        raise WireError("body is not a JSON object")
+    return obj
+
+
+def _str(obj: dict[str, Any], key: str, *, max_len: int = _MAX_CLAIM, optional: bool = False) -> str:
+    value = obj.get(key)
+    if value is None and optional:
+        return ""
+    if not isinstance(value, str) or len(value) > max_len:
+        raise WireError(f"{key} must be a string")
+    return value
+
+
+def _str_list(obj: dict[str, Any], key: str) -> tuple[str, ...]:
+    value = obj.get(key, [])
+    if value is None:
+        return ()
+    if not isinstance(value, list) or len(value) > _MAX_LIST:
+        raise WireError(f"{key} must be a list of strings")
+    if not all(isinstance(v, str) and len(v) <= _MAX_CLAIM for v in value):
+        raise WireError(f"{key} must be a list of strings")
+    return tuple(value)
+
+
+# --- join tokens ------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class JoinToken:
+    token_id: str
+    secret: str = field(repr=False)
+
+    @property
+    def bearer(self) -> str:
+        return f"bcjt_{self.token_id}.{self.secret}"
+
+
+def parse_token(text: str) -> JoinToken:
+    """Parse ``bcjt_<id>.<secret>``; surrounding whitespace is ignored."""
+    m = TOKEN_RE.fullmatch(text.strip()) if isinstance(text, str) else None
+    if not m:
+        raise WireError("not a join token (bcjt_…)")
+    return JoinToken(m.group(1), m.group(2))
+
+
+# --- claims and join requests -----------------------------------------------------
+
+CLAIM_KEYS = (
+    "product_uuid",
+    "product_serial",
+    "board_serial",
+    "chassis_serial",
+    "macs",
+    "gpu_uuids",
+    "hostname",
+    "boot_id",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Claims:
+    product_uuid: str = ""
+    product_serial: str = ""
+    board_serial: str = ""
+    chassis_serial: str = ""
+    macs: tuple[str, ...] = ()
+    gpu_uuids: tuple[str, ...] = ()
+    hostname: str = ""
+    boot_id: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "product_uuid": self.product_uuid,
+            "product_serial": self.product_serial,
+            "board_serial": self.board_serial,
+            "chassis_serial": self.chassis_serial,
+            "macs": list(self.macs),
+            "gpu_uuids": list(self.gpu_uuids),
+            "hostname": self.hostname,
+            "boot_id": self.boot_id,
+        }
+
+    @classmethod
+    def from_json(cls, obj: object) -> Claims:
+        if obj is None:
+            return cls()
+        if not isinstance(obj, dict):
+            raise WireError("claims must be an object")
+        unknown = set(obj) - set(CLAIM_KEYS)
+        if unknown:
+            raise WireError("claims has unknown fields")
+        return cls(
+            product_uuid=_str(obj, "product_uuid", optional=True),
+            product_serial=_str(obj, "product_serial", optional=True),
+            board_serial=_str(obj, "board_serial", optional=True),
+            chassis_serial=_str(obj, "chassis_serial", optional=True),
+            macs=_str_list(obj, "macs"),
+            gpu_uuids=_str_list(obj, "gpu_uuids"),
+            hostname=_str(obj, "hostname", optional=True),
+            boot_id=_str(obj, "boot_id", optional=True),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    role: str
+    attestor: str
+    sealed_token: str | None = field(repr=False)
+    csr_der: bytes
+    claims: Claims
+    evidence: dict[str, Any]
+    node_id: str | None
+    daemon_version: str
+    round: int = 0
+    answer: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "protocol": PROTOCOL_VERSION,
+            "role": self.role,
+            "attestor": self.attestor,
+            "sealed_token": self.sealed_token,
+            "csr": base64.b64encode(self.csr_der).decode("ascii"),
+            "claims": self.claims.to_json(),
+            "evidence": self.evidence,
+            "node_id": self.node_id,
+            "daemon_version": self.daemon_version,
+            "round": self.round,
+            "answer": self.answer,
+        }
+
+
+def parse_join_request(obj: dict[str, Any]) -> JoinRequest:
+    """Parse a JoinRequest body (already a JSON object)."""
+    if obj.get("protocol") != PROTOCOL_VERSION:
+        raise WireError("unsupported protocol")
+    role = _str(obj, "role", max_len=32)
+    if role not in ("node", "site", "ramdisk"):
+        raise WireError("role must be node, site or ramdisk")
+    attestor = _str(obj, "attestor", max_len=64, optional=True)
+    sealed = obj.get("sealed_token")
+    if sealed is not None and (not isinstance(sealed, str) or len(sealed) > 8192):
+        raise WireError("sealed_token must be a string")
+    csr_b64 = _str(obj, "csr", max_len=8192)
+    try:
+        csr_der = base64.b64decode(csr_b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WireError("csr must be base64") from exc
+    evidence = obj.get("evidence") or {}
+    if not isinstance(evidence, dict):
+        raise WireError("evidence must be an object")
+    node_id = obj.get("node_id")
+    if node_id is not None and (not isinstance(node_id, str) or len(node_id) > 64):
+        raise WireError("node_id must be a string")
+    rnd = obj.get("round", 0)
+    if rnd is None:
+        rnd = 0
+    if not isinstance(rnd, int) or isinstance(rnd, bool) or not 0 <= rnd <= 3:
+        raise WireError("round must be 0 to 3")
+    answer = obj.get("answer")
+    if answer is not None and not isinstance(answer, dict):
+        raise WireError("answer must be an object")
+    return JoinRequest(
+        role=role,
+        attestor=attestor,
+        sealed_token=sealed,
+        csr_der=csr_der,
+        claims=Claims.from_json(obj.get("claims")),
+        evidence=evidence,
+        node_id=node_id,
+        daemon_version=_str(obj, "daemon_version", max_len=64, optional=True),
+        round=rnd,
+        answer=answer,
+    )
+
+
+# --- the sealed token (compact JWE) -----------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OpenedSeal:
+    token: JoinToken
+    iat: int
+    csr_sha256: str
+
+
+def public_jwk_of(key: ec.EllipticCurvePublicKey) -> dict[str, str]:
+    nums = key.public_numbers()
+    return {
+        "kty": "EC",
+        "crv": "P-256",
+        "x": pki.b64url(nums.x.to_bytes(32, "big")),
+        "y": pki.b64url(nums.y.to_bytes(32, "big")),
+    }
+
+
+def public_key_of_jwk(obj: object) -> ec.EllipticCurvePublicKey:
+    """Parse a public P-256 JWK (no private part accepted)."""
+    if not isinstance(obj, dict) or obj.get("kty") != "EC" or obj.get("crv") != "P-256":
+        raise WireError("not a P-256 public JWK")
+    if "d" in obj:
+        raise WireError("the JWK holds a private key")
+    try:
+        x = int.from_bytes(pki.b64url_decode(obj["x"]), "big")
+        y = int.from_bytes(pki.b64url_decode(obj["y"]), "big")
+        return ec.EllipticCurvePublicNumbers(x, y, ec.SECP256R1()).public_key()
+    except (KeyError, ValueError, TypeError) as exc:
+        raise WireError("not a P-256 public JWK") from exc
+
+
+def seal_token(
+    token: JoinToken, encryption_key: ec.EllipticCurvePublicKey, csr_der: bytes, iat: int
+) -> str:
+    """Encrypt the bearer token to the JoinService key, bound to this CSR."""
+    header = {
+        "alg": "ECDH-ES+A256KW",
+        "enc": "A256GCM",
+        "typ": SEAL_TYP,
+        "kid": pki.spki_pin(encryption_key),
+        "iat": iat,
+        "csr": pki.sha256_hex(csr_der),
+    }
+    key = jwk.JWK(**public_jwk_of(encryption_key))
+    token_jwe = jwe.JWE(token.bearer.encode("ascii"), protected=json.dumps(header))
+    token_jwe.add_recipient(key)
+    return str(token_jwe.serialize(compact=True))
+
+
+def open_seal(
+    sealed: str, decryption_key: ec.EllipticCurvePrivateKey, expected_kid: str
+) -> OpenedSeal:
+    """Decrypt a sealed token; check ``typ`` and ``kid``. The caller checks csr and iat."""
+    if not isinstance(sealed, str) or sealed.count(".") != 4 or len(sealed) > 8192:
+        raise WireError("not a compact JWE")
+    try:
+        header = json.loads(pki.b64url_decode(sealed.split(".", 1)[0]))
+    except (ValueError, pki.PkiError) as exc:
+        raise WireError("not a compact JWE") from exc
+    if not isinstance(header, dict) or header.get("typ") != SEAL_TYP:
+        raise WireError("wrong typ")
+    if header.get("alg") != "ECDH-ES+A256KW" or header.get("enc") != "A256GCM":
+        raise WireError("wrong algorithm")
+    if not isinstance(header.get("kid"), str) or not pki.pins_equal(header["kid"], expected_kid):
+        raise WireError("wrong kid")
+    key = jwk.JWK.from_pyca(decryption_key)
+    try:
+        obj = jwe.JWE()
+        obj.allowed_algs = ["ECDH-ES+A256KW", "A256GCM"]
+        obj.deserialize(sealed, key=key)
+        plaintext = obj.payload
+    except (JWException, ValueError, TypeError, KeyError) as exc:
+        raise WireError("the seal does not open") from exc
+    iat = header.get("iat")
+    csr = header.get("csr")
+    if not isinstance(iat, int) or isinstance(iat, bool):
+        raise WireError("iat missing")
+    if not isinstance(csr, str) or not re.fullmatch(r"[0-9a-f]{64}", csr):
+        raise WireError("csr missing")
+    try:
+        token = parse_token(plaintext.decode("ascii"))
+    except UnicodeDecodeError as exc:
+        raise WireError("not a join token") from exc
+    return OpenedSeal(token=token, iat=iat, csr_sha256=csr)
+
+
+# --- signed responses (compact JWS, ES256) ----------------------------------------
+
+
+def sign_response(body: dict[str, Any], key: ec.EllipticCurvePrivateKey) -> str:
+    """A compact JWS over ``body``; the header carries the public key and its pin."""
+    public = key.public_key()
+    header = {"alg": "ES256", "kid": pki.spki_pin(public), "jwk": public_jwk_of(public)}
+    signing_input = pki.b64url(dumps(header)) + "." + pki.b64url(dumps(body))
+    return signing_input + "." + pki.b64url(pki.sign_p1363(key, signing_input.encode("ascii")))
+
+
+def verify_response(jws: str, signing_key_pin: str) -> dict[str, Any]:
+    """Verify a SignedResponse under the pinned join-signing key; return its body."""
+    if not isinstance(jws, str) or jws.count(".") != 2 or len(jws) > MAX_BODY:
+        raise WireError("the response is not a compact JWS")
+    h64, b64, s64 = jws.split(".")
+    try:
+        header = json.loads(pki.b64url_decode(h64))
+        if not isinstance(header, dict) or header.get("alg") != "ES256":
+            raise WireError("the response is not ES256")
+        key = public_key_of_jwk(header.get("jwk"))
+        if not pki.pins_equal(pki.spki_pin(key), signing_key_pin):
+            raise WireError("the response is not signed by the pinned join-signing key")
+        pki.verify_p1363(key, pki.b64url_decode(s64), f"{h64}.{b64}".encode("ascii"))
+        body = json.loads(pki.b64url_decode(b64))
+    except (ValueError, pki.PkiError) as exc:
+        if isinstance(exc, WireError):
+            raise
+        raise WireError("the response signature does not verify") from exc
+    if not isinstance(body, dict) or body.get("kind") not in ("joined", "challenge", "pending"):
+        raise WireError("the response has no known kind")
+    return body
+
+
+# --- errors -----------------------------------------------------------------------
+
+STATUS = {
+    "INVALID_ARGUMENT": 400,
+    "INVALID_STATE": 400,
+    "UNAUTHENTICATED": 401,
+    "ACCESS_DENIED": 403,
+    "NOT_FOUND": 404,
+    "ALREADY_EXISTS": 409,
+    "CONFLICT": 409,
+    "RESOURCE_EXHAUSTED": 429,
+    "INVALID_CONFIG": 500,
+    "UNAVAILABLE": 503,
+}
+RETRYABLE = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+
+
+@dataclass(frozen=True, slots=True)
+class ErrorBody:
+    code: str
+    message: str
+
+
+def parse_error(data: bytes) -> ErrorBody | None:
+    try:
+        obj = loads_object(data, 4096)
+    except WireError:
+        return None
+    code, message = obj.get("code"), obj.get("message")
+    if isinstance(code, str) and code in STATUS and isinstance(message, str):
+        return ErrorBody(code, message[:512])
+    return None
