@@ -10,6 +10,7 @@
     ├── JoinError            the join failed (refused, or the answer did not verify)
     │   └── RetryableError   the control plane asked to retry (UNAVAILABLE, ...)
     └── TransportError       the gateway could not be reached or did not verify
+        └── PeerVerificationError  the gateway's certificate did not verify (never retried)
 
 Every message says what happened and, where there is one, the way back.
 Lower-layer exceptions are translated at the boundary with ``raise ... from exc``.
@@ -56,3 +57,7 @@ class RetryableError(JoinError):
 
 class TransportError(BcdError):
     """Raised when the gateway cannot be reached or its certificate does not verify."""
+
+
+class PeerVerificationError(TransportError):
+    """Raised when the gateway's certificate does not verify against the pins."""

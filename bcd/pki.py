@@ -121,8 +121,10 @@ def generate_key() -> ec.EllipticCurvePrivateKey:
 
 def make_csr(key: ec.EllipticCurvePrivateKey) -> bytes:
     """A PKCS#10 request with an empty subject; names come only from JoinService."""
-    csr = x509.CertificateSigningRequestBuilder().subject_name(x509.Name([])).sign(
-        key, hashes.SHA256()
+    csr = (
+        x509.CertificateSigningRequestBuilder()
+        .subject_name(x509.Name([]))
+        .sign(key, hashes.SHA256())
     )
     return csr.public_bytes(serialization.Encoding.DER)
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import base64
 import binascii
+import hashlib
+import hmac
 import json
 import re
 from dataclasses import dataclass, field
@@ -54,7 +56,9 @@ def loads_object(data: bytes, limit: int = MAX_BODY) -> dict[str, Any]:
     return obj
 
 
-def _str(obj: dict[str, Any], key: str, *, max_len: int = _MAX_CLAIM, optional: bool = False) -> str:
+def _str(
+    obj: dict[str, Any], key: str, *, max_len: int = _MAX_CLAIM, optional: bool = False
+) -> str:
     value = obj.get(key)
     if value is None and optional:
         return ""
@@ -93,6 +97,16 @@ def parse_token(text: str) -> JoinToken:
     if not m:
         raise WireError("not a join token (bcjt_…)")
     return JoinToken(m.group(1), m.group(2))
+
+
+def secret_hash(secret: str) -> str:
+    """What the control plane stores of a token or credential secret: its SHA-256."""
+    return hashlib.sha256(secret.encode("ascii")).hexdigest()
+
+
+def secret_matches(secret: str, stored_hash: str) -> bool:
+    """Constant-time comparison of a presented secret with its stored SHA-256."""
+    return hmac.compare_digest(secret_hash(secret).encode(), stored_hash.encode())
 
 
 # --- claims and join requests -----------------------------------------------------

@@ -1,0 +1,341 @@
+"""``bcd``: join | doctor | version.
+
+Exit codes: 0 success, 1 a failure or refusal, 2 a usage error (and ``bcd join
+--reset`` without ``--yes``). Known errors print one line with the way back; nothing
+the operator typed after ``bcd join`` is ever echoed, since it may be a token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+import urllib.parse
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import trio
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import __version__, doctor, fs, pki, wire
+from bcd.config import Config, join_encryption_jwk_path, load_config, parse_config, render_config
+from bcd.credential import Credential, read_stdin, read_token_file, remove_credential_files
+from bcd.errors import BcdError, JoinError, UsageError
+from bcd.hardware import read_claims
+from bcd.httpclient import fetch_url
+from bcd.identity import apply_reset, load_state, persist_join, reset_plan
+from bcd.keys.file import generate_file_key, key_to_pem
+from bcd.plugins import JOIN_TOKEN, load_plugins
+
+DEFAULT_CONFIG = Path("/etc/bcd/config.toml")
+WELL_KNOWN = "/.well-known/better-compute"
+BASE_PATH = "/api/compute"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # argparse quotes offending values; a value after `bcd join` may be a token.
+        if self.prog.endswith(" join"):
+            message = "invalid arguments (not echoed: they may hold a secret); see bcd join --help"
+        self.print_usage(sys.stderr)
+        self.exit(2, f"bcd: usage: {message}\n")
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+# --- join ------------------------------------------------------------------------------
+
+
+def _encryption_key_from_file(cfg: Config) -> ec.EllipticCurvePublicKey | None:
+    path = join_encryption_jwk_path(cfg)
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise JoinError(f"cannot read {path}: {exc.strerror}") from exc
+    rotated = (
+        f"{path} does not match join_encryption_key_pin (was the join key rotated?); "
+        "generate the install script again and rerun it, which rewrites the file and the pins"
+    )
+    try:
+        key = wire.public_key_of_jwk(wire.loads_object(raw, 4096))
+    except wire.WireError as exc:
+        raise JoinError(rotated) from exc
+    if not pki.pins_equal(pki.spki_pin(key), cfg.join_encryption_key_pin):
+        raise JoinError(rotated)
+    return key
+
+
+def _well_known_url(server: str) -> str:
+    parsed = urllib.parse.urlsplit(server)
+    if parsed.scheme not in ("https", "http") or not parsed.hostname:
+        raise UsageError("--server must be the control plane's https:// URL")
+    base = server.rstrip("/")
+    if not parsed.path.rstrip("/").endswith(BASE_PATH):
+        base += BASE_PATH
+    return base + WELL_KNOWN
+
+
+async def fetch_well_known(server: str) -> dict[str, Any]:
+    resp = await fetch_url(_well_known_url(server))
+    if resp.status != 200:
+        raise JoinError(f"{server} has no well-known document (HTTP {resp.status})")
+    try:
+        return wire.loads_object(resp.body)
+    except wire.WireError as exc:
+        raise JoinError(f"the well-known document of {server} is not JSON") from exc
+
+
+def _key_from_document(doc: dict[str, Any], pin: str, server: str) -> ec.EllipticCurvePublicKey:
+    join = doc.get("join")
+    if not isinstance(join, dict):
+        raise JoinError(f"{server} publishes no join section (is pki.join configured?)")
+    try:
+        key = wire.public_key_of_jwk(join.get("encryptionJwk"))
+    except wire.WireError as exc:
+        raise JoinError(f"the join encryption key published by {server} does not parse") from exc
+    if not pki.pins_equal(pki.spki_pin(key), pin):
+        raise JoinError(
+            f"the join encryption key published by {server} does not match "
+            "join_encryption_key_pin; the document is not trusted"
+        )
+    return key
+
+
+def _bootstrap_config(args: argparse.Namespace, doc: dict[str, Any]) -> Config:
+    """A config built from the well-known document's gateway section and the pin flags."""
+    pins = {
+        "serving_ca_spki_pin": args.serving_ca_pin,
+        "join_signing_key_pin": args.join_signing_pin,
+        "join_encryption_key_pin": args.join_encryption_pin,
+    }
+    missing = [
+        flag
+        for flag, value in zip(
+            ("--serving-ca-pin", "--join-signing-pin", "--join-encryption-pin"),
+            pins.values(),
+            strict=True,
+        )
+        if not value
+    ]
+    if missing:
+        raise UsageError(
+            f"without {args.config} a join with --server needs the pins from the install: "
+            + ", ".join(missing)
+        )
+    for name, value in pins.items():
+        try:
+            pki.parse_pin(value)
+        except pki.PkiError as exc:
+            raise UsageError(f"--{name.replace('_', '-')}: {exc}") from exc
+    gateway = doc.get("gateway")
+    if not isinstance(gateway, dict) or not isinstance(gateway.get("url"), str):
+        raise JoinError(f"{args.server} publishes no gateway section; write {args.config} instead")
+    published = {
+        "serving_ca_spki_pin": gateway.get("servingCaPin"),
+        "join_signing_key_pin": (doc.get("join") or {}).get("signingKeyPin"),
+        "join_encryption_key_pin": (doc.get("join") or {}).get("encryptionKeyPin"),
+    }
+    for name, value in pins.items():
+        seen = published[name]
+        if not isinstance(seen, str) or not pki.pins_equal(seen, value):
+            raise JoinError(
+                f"the well-known document of {args.server} has another {name} than the one "
+                "given; refusing it"
+            )
+    site_placeholder = "site_" + "0" * 26
+    lines = [
+        f"gateway_url = {json.dumps(gateway['url'])}",
+        f"site = {json.dumps(site_placeholder)}",
+        *(f"{k} = {json.dumps(v)}" for k, v in pins.items()),
+    ]
+    if isinstance(gateway.get("serverName"), str):
+        lines.append(f"server_name = {json.dumps(gateway['serverName'])}")
+    if args.data_dir:
+        lines.append(f"data_dir = {json.dumps(str(Path(args.data_dir).absolute()))}")
+    return parse_config("\n".join(lines) + "\n", Path(args.config))
+
+
+def _read_credential(args: argparse.Namespace) -> Credential | None:
+    if args.attestor != JOIN_TOKEN:
+        return None
+    if args.token_file:
+        return read_token_file(Path(args.token_file))
+    return read_stdin(sys.stdin.buffer)
+
+
+def cmd_join(args: argparse.Namespace) -> int:
+    if os.geteuid() != 0:
+        raise BcdError("bcd join must run as root (it writes the node's identity)")
+    config_path = Path(args.config)
+    bootstrap_doc: dict[str, Any] | None = None
+    if not config_path.exists() and args.server:
+        bootstrap_doc = trio.run(fetch_well_known, args.server)
+        cfg = _bootstrap_config(args, bootstrap_doc)
+    else:
+        cfg = load_config(config_path)
+        if args.data_dir:
+            cfg = replace(cfg, data_dir=Path(args.data_dir).absolute())
+    data_dir = cfg.data_dir
+
+    if args.reset:
+        plan = reset_plan(data_dir, _now())
+        for src, dst in plan:
+            print(f"{'moving' if args.yes else 'would move'} {src} -> {dst}")
+        if not plan:
+            print(f"nothing to move in {data_dir}")
+        if not args.yes:
+            print("nothing was moved; run again with --reset --yes to move the identity aside")
+            return 2
+        apply_reset(plan)
+    else:
+        state = load_state(data_dir)
+        if state is not None:
+            ident = state.identity
+            if args.node_id and args.node_id != ident.node_id:
+                raise JoinError(
+                    f"this machine is already joined as {ident.node_id}; --node-id names another "
+                    "node (to join again: bcd join --reset --yes, then bcd join)"
+                )
+            print(f"already joined as {ident.node_id} (site {ident.site_id}, role {ident.role})")
+            return 0
+
+    credential = _read_credential(args)
+    plugins = load_plugins()
+    for failure in plugins.failures:
+        print(
+            f"warning: attestor plugin {failure.name} did not load: {failure.error}",
+            file=sys.stderr,
+        )
+    encryption_key = None
+    if args.attestor == JOIN_TOKEN:
+        encryption_key = _encryption_key_from_file(cfg) if bootstrap_doc is None else None
+        if encryption_key is None:
+            if not args.server:
+                raise JoinError(
+                    f"{join_encryption_jwk_path(cfg)} is missing; give the control plane's URL "
+                    "with --server to fetch the join key from its well-known document"
+                )
+            doc = bootstrap_doc or trio.run(fetch_well_known, args.server)
+            encryption_key = _key_from_document(doc, cfg.join_encryption_key_pin, args.server)
+    from bcd.join import join
+
+    key = generate_file_key()
+    joined = trio.run(
+        lambda: join(
+            cfg,
+            plugins,
+            attestor=args.attestor,
+            role=args.role,
+            credential=credential.text if credential else None,
+            encryption_key=encryption_key,
+            claims=read_claims(Path(args.sysfs_root)),
+            key=key,
+            node_id=args.node_id,
+        )
+    )
+    ident = joined.identity
+    persist_join(data_dir, ident, key_to_pem(key), _now())
+    if bootstrap_doc is not None:
+        cfg = replace(cfg, site=ident.site_id)
+        fs.ensure_dir(config_path.parent, 0o755)
+        fs.atomic_write(config_path, render_config(cfg).encode(), 0o644)
+        assert encryption_key is not None
+        fs.atomic_write(
+            join_encryption_jwk_path(cfg), wire.dumps(wire.public_jwk_of(encryption_key)), 0o644
+        )
+    if credential is not None:
+        for warning in remove_credential_files(credential):
+            print(warning, file=sys.stderr)
+    print(
+        f"joined as {ident.node_id} (site {ident.site_id}, role {ident.role}); "
+        f"certificate valid until {ident.not_after}"
+    )
+    return 0
+
+
+# --- doctor and version ------------------------------------------------------------------
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    checks = doctor.run_checks(Path(args.config), _now())
+    plugins = load_plugins()
+    if plugins.failures:
+        broken = "; ".join(f"{f.name} did not load ({f.error})" for f in plugins.failures)
+        checks.append(doctor.Check("plugins", "warn", f"attestor plugins: {broken}"))
+    else:
+        checks.append(doctor.Check("plugins", "ok", "attestors: " + ", ".join(plugins.names())))
+    print(doctor.render_json(checks) if args.json else doctor.render_text(checks))
+    return doctor.exit_code(checks)
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    print(f"bcd {__version__}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="bcd", description="bcd, the better-compute node agent")
+    sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    p = sub.add_parser("join", help="join this machine with a join token (as root)")
+    p.set_defaults(fn=cmd_join)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--token-file", help="a file only its owner can read (0600/0400), deleted after")
+    p.add_argument("--attestor", default=JOIN_TOKEN)
+    p.add_argument("--role", default="node", choices=["node", "site", "ramdisk"])
+    p.add_argument("--node-id")
+    p.add_argument("--reset", action="store_true", help="move the identity aside first")
+    p.add_argument("--yes", action="store_true", help="with --reset: really move it")
+    p.add_argument("--server", help="the control plane's URL (the well-known document)")
+    p.add_argument("--serving-ca-pin")
+    p.add_argument("--join-signing-pin")
+    p.add_argument("--join-encryption-pin")
+    p.add_argument("--data-dir")
+    p.add_argument("--sysfs-root", default="/", help=argparse.SUPPRESS)
+
+    p = sub.add_parser("doctor", help="check the configuration and the identity")
+    p.set_defaults(fn=cmd_doctor)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--json", action="store_true")
+
+    p = sub.add_parser("version")
+    p.set_defaults(fn=cmd_version)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="bcd: %(message)s")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] == ["join"]:
+        args, extra = parser.parse_known_args(argv)
+        if extra:
+            print(
+                "bcd: bcd join takes no positional argument and never reads a token from the "
+                "command line (nothing was echoed); pass it on standard input or with --token-file",
+                file=sys.stderr,
+            )
+            return 2
+    else:
+        args = parser.parse_args(argv)
+    try:
+        code: int = args.fn(args)
+    except BcdError as exc:
+        print(f"bcd: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

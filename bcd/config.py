@@ -1,0 +1,357 @@
+"""config.toml: the node's configuration (PROTOCOL.md, "config.toml").
+
+::
+
+    gateway_url = "https://gw.eu.example.com"      # https only; host and optional port
+    site = "site_…"
+    serving_ca_spki_pin = "sha256/…"
+    join_signing_key_pin = "sha256/…"
+    join_encryption_key_pin = "sha256/…"
+    server_name = "gw.eu.example.com"              # optional; default: the gateway's host
+    data_dir = "/var/lib/bcd"                      # optional
+
+    [helper]                                       # optional; its presence turns the helper on
+    user = "bcd"                                   # each key optional, defaults below
+    socket = "/run/bcd-helper/helper.sock"
+    hostconfig_dir = "/var/lib/bcd-hostconfig"
+
+    [tpm]                                          # optional
+    mode = "auto"                                  # auto | off | required
+    tcti = "device:/dev/tpmrm0"
+
+Every problem is a :class:`~bcd.errors.ConfigError` whose message names the file and
+the key: a missing file, bad TOML, an unknown key, a missing key, a wrong type, a
+malformed pin (a malformed pin stops bcd from starting), a gateway URL that is not
+``https://host[:port]``. Parsing is pure (:func:`parse_config`); only
+:func:`load_config` reads the file.
+
+``gateway_url`` is kept without a trailing ``/``. The join-encryption key the install
+script writes lives beside the file (:func:`join_encryption_jwk_path`).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+from bcd import pki
+from bcd.errors import ConfigError
+
+DEFAULT_CONFIG_PATH = Path("/etc/bcd/config.toml")
+DEFAULT_DATA_DIR = Path("/var/lib/bcd")
+DEFAULT_GATEWAY_PORT = 443
+DEFAULT_TCTI = "device:/dev/tpmrm0"
+DEFAULT_HELPER_USER = "bcd"
+DEFAULT_HELPER_SOCKET = Path("/run/bcd-helper/helper.sock")
+DEFAULT_HOSTCONFIG_DIR = Path("/var/lib/bcd-hostconfig")
+JOIN_ENCRYPTION_JWK_NAME = "join-encryption.jwk"
+MAX_CONFIG_BYTES = 64 * 1024
+
+TpmMode = Literal["auto", "off", "required"]
+TPM_MODES: tuple[TpmMode, ...] = ("auto", "off", "required")
+PIN_KEYS = ("serving_ca_spki_pin", "join_signing_key_pin", "join_encryption_key_pin")
+REQUIRED_KEYS = ("gateway_url", "site", *PIN_KEYS)
+TOP_LEVEL_KEYS = (*REQUIRED_KEYS, "server_name", "data_dir", "helper", "tpm")
+HELPER_KEYS = ("user", "socket", "hostconfig_dir")
+TPM_KEYS = ("mode", "tcti")
+
+_SITE_ID = re.compile(r"^site_[0-9a-z]{26}$")
+_DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_DNS_NAME = re.compile(rf"^{_DNS_LABEL}(?:\.{_DNS_LABEL})*$")
+_NETLOC = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9.-]+)(?::([0-9]{1,5}))?$")
+_USER = re.compile(r"^[A-Za-z_][A-Za-z0-9_.-]{0,31}\$?$")
+
+
+@dataclass(frozen=True, slots=True)
+class HelperConfig:
+    """The ``[helper]`` table: bcd node runs unprivileged beside a root bcd helper."""
+
+    user: str = DEFAULT_HELPER_USER
+    socket: Path = DEFAULT_HELPER_SOCKET
+    hostconfig_dir: Path = DEFAULT_HOSTCONFIG_DIR
+
+
+@dataclass(frozen=True, slots=True)
+class TpmConfig:
+    """The ``[tpm]`` table."""
+
+    mode: TpmMode = "auto"
+    tcti: str = DEFAULT_TCTI
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """A validated config.toml. ``path`` is the file it came from (or will go to)."""
+
+    path: Path
+    gateway_url: str
+    site: str
+    serving_ca_spki_pin: str
+    join_signing_key_pin: str
+    join_encryption_key_pin: str
+    server_name: str
+    data_dir: Path = DEFAULT_DATA_DIR
+    helper: HelperConfig | None = None
+    tpm: TpmConfig = field(default_factory=TpmConfig)
+
+
+# --- reading ----------------------------------------------------------------------
+
+
+def load_config(path: Path) -> Config:
+    """Read and validate the configuration at ``path``."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError as exc:
+        raise ConfigError(
+            f"no configuration at {path}; run the install script, or bcd join --server "
+            "with --serving-ca-pin, --join-signing-pin and --join-encryption-pin"
+        ) from exc
+    except IsADirectoryError as exc:
+        raise ConfigError(f"{path}: is a directory, not a configuration file") from exc
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not valid TOML: not UTF-8") from exc
+    return parse_config(text, path)
+
+
+def parse_config(text: str, path: Path) -> Config:
+    """Validate config.toml text; ``path`` names the file in messages and in the result."""
+    try:
+        doc = tomllib.loads(text)
+    except (tomllib.TOMLDecodeError, RecursionError, ValueError, TypeError) as exc:
+        raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    _check_keys(doc, TOP_LEVEL_KEYS, path, "")
+    for key in REQUIRED_KEYS:
+        if key not in doc:
+            raise ConfigError(f'{path}: missing key "{key}"')
+
+    gateway_url, host = _gateway_url(_string(doc, "gateway_url", path), path)
+    site = _string(doc, "site", path)
+    if not _SITE_ID.fullmatch(site):
+        raise ConfigError(f'{path}: "site" is not a site id (site_ and 26 characters)')
+    pins = {key: _pin(doc, key, path) for key in PIN_KEYS}
+
+    server_name = host
+    if "server_name" in doc:
+        server_name = _string(doc, "server_name", path)
+        if not _valid_host(server_name):
+            raise ConfigError(f'{path}: "server_name" is not a host name')
+
+    data_dir = DEFAULT_DATA_DIR
+    if "data_dir" in doc:
+        data_dir = _abs_path(doc, "data_dir", path, "data_dir")
+
+    helper: HelperConfig | None = None
+    if "helper" in doc:
+        table = _table(doc, "helper", path)
+        _check_keys(table, HELPER_KEYS, path, "helper.")
+        user = DEFAULT_HELPER_USER
+        if "user" in table:
+            user = _string(table, "user", path, "helper.user")
+            if not _USER.fullmatch(user):
+                raise ConfigError(f'{path}: "helper.user" is not a user name')
+        socket = DEFAULT_HELPER_SOCKET
+        if "socket" in table:
+            socket = _abs_path(table, "socket", path, "helper.socket")
+        hostconfig_dir = DEFAULT_HOSTCONFIG_DIR
+        if "hostconfig_dir" in table:
+            hostconfig_dir = _abs_path(table, "hostconfig_dir", path, "helper.hostconfig_dir")
+        helper = HelperConfig(user=user, socket=socket, hostconfig_dir=hostconfig_dir)
+
+    tpm = TpmConfig()
+    if "tpm" in doc:
+        table = _table(doc, "tpm", path)
+        _check_keys(table, TPM_KEYS, path, "tpm.")
+        mode: TpmMode = "auto"
+        if "mode" in table:
+            raw_mode = _string(table, "mode", path, "tpm.mode")
+            if raw_mode not in TPM_MODES:
+                raise ConfigError(f'{path}: "tpm.mode" must be auto, off or required')
+            mode = raw_mode
+        tcti = DEFAULT_TCTI
+        if "tcti" in table:
+            tcti = _string(table, "tcti", path, "tpm.tcti")
+        tpm = TpmConfig(mode=mode, tcti=tcti)
+
+    return Config(
+        path=path,
+        gateway_url=gateway_url,
+        site=site,
+        serving_ca_spki_pin=pins["serving_ca_spki_pin"],
+        join_signing_key_pin=pins["join_signing_key_pin"],
+        join_encryption_key_pin=pins["join_encryption_key_pin"],
+        server_name=server_name,
+        data_dir=data_dir,
+        helper=helper,
+        tpm=tpm,
+    )
+
+
+def _check_keys(table: dict[str, Any], allowed: tuple[str, ...], path: Path, prefix: str) -> None:
+    for key in table:
+        if key not in allowed:
+            raise ConfigError(f"{path}: unknown key {_quote(prefix + key)}")
+
+
+def _quote(key: str) -> str:
+    """A key as it appears in a message: quoted, with anything unprintable escaped."""
+    escaped = "".join(
+        c if c.isprintable() and c not in '"\\' else c.encode("unicode_escape").decode("ascii")
+        for c in key[:64]
+    )
+    return f'"{escaped}"' + ("…" if len(key) > 64 else "")
+
+
+def _string(table: dict[str, Any], key: str, path: Path, name: str | None = None) -> str:
+    value = table[key]
+    name = name or key
+    if not isinstance(value, str):
+        raise ConfigError(f'{path}: "{name}" must be a string')
+    if not value:
+        raise ConfigError(f'{path}: "{name}" must not be empty')
+    return value
+
+
+def _table(table: dict[str, Any], key: str, path: Path) -> dict[str, Any]:
+    value = table[key]
+    if not isinstance(value, dict):
+        raise ConfigError(f'{path}: "{key}" must be a table ([{key}])')
+    return value
+
+
+def _pin(table: dict[str, Any], key: str, path: Path) -> str:
+    value = table[key]
+    try:
+        return pki.parse_pin(value)
+    except pki.PkiError as exc:
+        raise ConfigError(f'{path}: "{key}" is malformed: {exc}') from exc
+
+
+def _abs_path(table: dict[str, Any], key: str, path: Path, name: str) -> Path:
+    value = _string(table, key, path, name)
+    if "\0" in value or not value.startswith("/"):
+        raise ConfigError(f'{path}: "{name}" must be an absolute path')
+    return Path(value)
+
+
+def _valid_host(host: str) -> bool:
+    if _DNS_NAME.fullmatch(host) and len(host) <= 253:
+        return True
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _gateway_url(url: str, path: Path) -> tuple[str, str]:
+    """Check ``https://host[:port][/]``; return the URL without a trailing / and the host."""
+    bad = f'{path}: "gateway_url" must be https://host or https://host:port'
+    if any(c.isspace() or not c.isprintable() for c in url):
+        raise ConfigError(bad)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise ConfigError(bad) from exc
+    if parts.scheme != "https" or not url.lower().startswith("https://"):
+        raise ConfigError(f'{path}: "gateway_url" must start with https://')
+    if parts.path not in ("", "/") or parts.query or parts.fragment or "?" in url or "#" in url:
+        raise ConfigError(f'{path}: "gateway_url" must name only a host and port, no path')
+    m = _NETLOC.fullmatch(parts.netloc)
+    if not m:
+        raise ConfigError(bad)
+    host = m.group(1)
+    if host.startswith("["):
+        host = host[1:-1]
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError as exc:
+            raise ConfigError(bad) from exc
+    elif not _valid_host(host):
+        raise ConfigError(bad)
+    if m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535:
+        raise ConfigError(f'{path}: "gateway_url" has a port outside 1-65535')
+    return url.rstrip("/"), host
+
+
+# --- derived values ---------------------------------------------------------------
+
+
+def gateway_host_port(cfg: Config) -> tuple[str, int]:
+    """The gateway's host (IPv6 without brackets) and port (443 by default)."""
+    m = _NETLOC.fullmatch(urlsplit(cfg.gateway_url).netloc)
+    assert m is not None, "a Config holds a validated gateway_url"
+    host = m.group(1)
+    if host.startswith("["):
+        host = host[1:-1]
+    return host, int(m.group(2)) if m.group(2) else DEFAULT_GATEWAY_PORT
+
+
+def join_encryption_jwk_path(cfg: Config) -> Path:
+    """``join-encryption.jwk`` beside the config file."""
+    return cfg.path.parent / JOIN_ENCRYPTION_JWK_NAME
+
+
+# --- writing ----------------------------------------------------------------------
+
+
+def render_config(cfg: Config) -> str:
+    """TOML text for ``cfg`` that :func:`parse_config` reads back to an equal Config.
+
+    Values equal to their defaults are left out, so the file stays short.
+    """
+    host, _ = gateway_host_port(cfg)
+    lines = [
+        "# bcd configuration (PROTOCOL.md, config.toml)",
+        f"gateway_url = {_toml_string(cfg.gateway_url)}",
+        f"site = {_toml_string(cfg.site)}",
+        f"serving_ca_spki_pin = {_toml_string(cfg.serving_ca_spki_pin)}",
+        f"join_signing_key_pin = {_toml_string(cfg.join_signing_key_pin)}",
+        f"join_encryption_key_pin = {_toml_string(cfg.join_encryption_key_pin)}",
+    ]
+    if cfg.server_name != host:
+        lines.append(f"server_name = {_toml_string(cfg.server_name)}")
+    if cfg.data_dir != DEFAULT_DATA_DIR:
+        lines.append(f"data_dir = {_toml_string(str(cfg.data_dir))}")
+    if cfg.helper is not None:
+        lines += [
+            "",
+            "[helper]",
+            f"user = {_toml_string(cfg.helper.user)}",
+            f"socket = {_toml_string(str(cfg.helper.socket))}",
+            f"hostconfig_dir = {_toml_string(str(cfg.helper.hostconfig_dir))}",
+        ]
+    if cfg.tpm != TpmConfig():
+        lines += [
+            "",
+            "[tpm]",
+            f"mode = {_toml_string(cfg.tpm.mode)}",
+            f"tcti = {_toml_string(cfg.tpm.tcti)}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _toml_string(value: str) -> str:
+    """A TOML basic string: quotes, backslashes and control characters escaped."""
+    out = []
+    for c in value:
+        if c == '"':
+            out.append('\\"')
+        elif c == "\\":
+            out.append("\\\\")
+        elif ord(c) < 0x20 or ord(c) == 0x7F:
+            out.append(f"\\u{ord(c):04x}")
+        else:
+            out.append(c)
+    return '"' + "".join(out) + '"'

@@ -1,0 +1,582 @@
+"""The node's identity on disk: identity.json, node.key, node.key.next (PROTOCOL.md).
+
+Layout of the data directory (0700)::
+
+    identity.json     0600  the Identity below, as JSON
+    node.key          0600  the node key: PKCS#8 PEM (key "file")
+    node.key.next     0600  the next key, only while a renewal is under way
+    journal.db        the node's journal (SQLite); not touched here except to move it
+
+Loading (:func:`load_state`) follows the seed's three rules:
+
+1. no identity.json: the node has not joined (``None``);
+2. a node.key.next that the stored leaf certifies is promoted to node.key (a renewal
+   stopped after storing the certificate); any other node.key.next is removed;
+3. node.key must be the leaf's key, else :data:`KEY_MISMATCH`.
+
+Writing goes only through :mod:`bcd.fs`: :func:`persist_join` for a join,
+:func:`write_next_key` and :func:`store_renewal` for a renewal, :func:`reset_plan` and
+:func:`apply_reset` for ``bcd join --reset``. No file in the data directory is read
+through a symlink; a symlink where a file should be is refused.
+
+Every :class:`~bcd.errors.IdentityError` message ends with the way back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import fs, pki
+from bcd.errors import IdentityError
+from bcd.keys.file import load_key_pem
+
+IDENTITY_FILE = "identity.json"
+NODE_KEY_FILE = "node.key"
+NEXT_KEY_FILE = "node.key.next"
+JOURNAL_FILE = "journal.db"
+# SQLite's companions of journal.db; they move with it so the moved copy stays whole
+# and a new journal.db never replays an old write-ahead log.
+JOURNAL_SIDECARS = ("-wal", "-shm", "-journal")
+IDENTITY_VERSION = 1
+KEY_KINDS = ("file", "tpm")
+MAX_IDENTITY_BYTES = 1024 * 1024
+MAX_KEY_BYTES = 64 * 1024
+
+WAY_BACK = "join again: bcd join --reset --yes, then bcd join"
+KEY_MISMATCH = f"the node key does not match the node certificate; {WAY_BACK}"
+TPM_KEY_MISMATCH = (
+    "the node key does not match the node certificate; the TPM derives another key "
+    f"from node.key (was the TPM cleared?); {WAY_BACK}"
+)
+NOT_JOINED = "this node has not joined; run: bcd join"
+
+KeyKind = Literal["file", "tpm"]
+
+IDENTITY_FIELDS = (
+    "version",
+    "node_id",
+    "site_id",
+    "role",
+    "trust_domain",
+    "spiffe_id",
+    "chain",
+    "bundle",
+    "trust_version",
+    "server_time",
+    "not_after",
+    "key",
+    "identity_generation",
+)
+_NODE_ID = re.compile(r"^node_[0-9a-z]{26}$")
+_SITE_ID = re.compile(r"^site_[0-9a-z]{26}$")
+
+
+# --- times ------------------------------------------------------------------------
+
+
+def format_time(when: datetime) -> str:
+    """ISO 8601 in UTC to the second: ``2025-01-02T03:04:05Z``."""
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_time(text: str) -> datetime:
+    """Parse an ISO 8601 UTC time (``Z`` or ``+00:00``); raise ValueError otherwise."""
+    if not isinstance(text, str) or len(text) > 64:
+        raise ValueError("not an ISO 8601 time")
+    when = datetime.fromisoformat(text)
+    if when.tzinfo is None or when.utcoffset() != UTC.utcoffset(None):
+        raise ValueError("not a UTC time")
+    return when.astimezone(UTC)
+
+
+def _utc(now: datetime) -> datetime:
+    return now.replace(tzinfo=UTC) if now.tzinfo is None else now
+
+
+# --- identity.json ----------------------------------------------------------------
+
+
+class _Bad(ValueError):
+    """An inconsistency found while checking an Identity; wrapped by the caller."""
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """identity.json. ``chain`` is PEM, leaf first; ``bundle`` the command-signing roots."""
+
+    node_id: str
+    site_id: str
+    role: str
+    trust_domain: str
+    spiffe_id: str
+    chain: str
+    bundle: str
+    trust_version: int
+    server_time: str
+    not_after: str
+    key: KeyKind
+    identity_generation: int
+    version: int = IDENTITY_VERSION
+
+    def certificates(self) -> list[x509.Certificate]:
+        return pki.load_pem_chain(self.chain)
+
+    def leaf(self) -> x509.Certificate:
+        return self.certificates()[0]
+
+    def not_after_time(self) -> datetime:
+        return parse_time(self.not_after)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in IDENTITY_FIELDS}
+
+    def to_json(self) -> bytes:
+        """The identity.json bytes (UTF-8, indented, newline at the end)."""
+        return (json.dumps(self.to_dict(), indent=2) + "\n").encode("utf-8")
+
+
+def make_identity(
+    *,
+    chain: str,
+    bundle: str,
+    trust_version: int,
+    server_time: str,
+    key: KeyKind,
+    identity_generation: int,
+) -> Identity:
+    """Build the Identity for a verified chain; names and not_after come from its leaf.
+
+    Raises IdentityError when the chain does not carry a node identity.
+    """
+    try:
+        info = pki.leaf_info(pki.load_pem_chain(chain)[0])
+        identity = Identity(
+            node_id=info.spiffe.node_id,
+            site_id=info.spiffe.site_id,
+            role=info.role,
+            trust_domain=info.spiffe.trust_domain,
+            spiffe_id=str(info.spiffe),
+            chain=chain,
+            bundle=bundle,
+            trust_version=trust_version,
+            server_time=server_time,
+            not_after=format_time(info.not_after),
+            key=key,
+            identity_generation=identity_generation,
+        )
+        _check(identity)
+    except (_Bad, pki.PkiError, ValueError) as exc:
+        raise IdentityError(f"the issued identity is unusable: {exc}") from exc
+    return identity
+
+
+def parse_identity(data: bytes) -> Identity:
+    """Parse identity.json strictly; raise IdentityError ("identity.json is damaged: …")."""
+    try:
+        return _parse_identity(data)
+    except (_Bad, pki.PkiError, ValueError, TypeError, RecursionError) as exc:
+        detail = str(exc) if isinstance(exc, _Bad | pki.PkiError) else "it does not parse"
+        raise IdentityError(f"{IDENTITY_FILE} is damaged: {detail}; {WAY_BACK}") from exc
+
+
+def _parse_identity(data: bytes) -> Identity:
+    if not isinstance(data, bytes):
+        raise _Bad("not bytes")
+    if len(data) > MAX_IDENTITY_BYTES:
+        raise _Bad("it is too large")
+    try:
+        obj = json.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise _Bad("it is not JSON") from exc
+    if not isinstance(obj, dict):
+        raise _Bad("it is not a JSON object")
+    for name in obj:
+        if name not in IDENTITY_FIELDS:
+            raise _Bad("it has an unknown field")
+    for name in IDENTITY_FIELDS:
+        if name not in obj:
+            raise _Bad(f"{name} is missing")
+    version = _int(obj, "version")
+    if version != IDENTITY_VERSION:
+        raise _Bad(f"version {version} is not {IDENTITY_VERSION}")
+    key = _str(obj, "key")
+    if key not in KEY_KINDS:
+        raise _Bad("key must be file or tpm")
+    identity = Identity(
+        node_id=_str(obj, "node_id"),
+        site_id=_str(obj, "site_id"),
+        role=_str(obj, "role"),
+        trust_domain=_str(obj, "trust_domain"),
+        spiffe_id=_str(obj, "spiffe_id"),
+        chain=_str(obj, "chain"),
+        bundle=_str(obj, "bundle", empty=True),
+        trust_version=_int(obj, "trust_version"),
+        server_time=_str(obj, "server_time"),
+        not_after=_str(obj, "not_after"),
+        key="file" if key == "file" else "tpm",
+        identity_generation=_int(obj, "identity_generation"),
+        version=version,
+    )
+    _check(identity)
+    return identity
+
+
+def _str(obj: dict[str, Any], name: str, *, empty: bool = False) -> str:
+    value = obj[name]
+    if not isinstance(value, str) or (not value and not empty):
+        raise _Bad(f"{name} must be a string")
+    return value
+
+
+def _int(obj: dict[str, Any], name: str) -> int:
+    value = obj[name]
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 2**63:
+        raise _Bad(f"{name} must be a non-negative integer")
+    return value
+
+
+def _check(identity: Identity) -> None:
+    """The fields agree with each other and with the leaf certificate."""
+    if not _NODE_ID.fullmatch(identity.node_id):
+        raise _Bad("node_id is not a node id")
+    if not _SITE_ID.fullmatch(identity.site_id):
+        raise _Bad("site_id is not a site id")
+    if identity.role not in pki.ROLES:
+        raise _Bad("role is not a known role")
+    if not pki.valid_trust_domain(identity.trust_domain):
+        raise _Bad("trust_domain is not a trust domain")
+    expected = pki.SpiffeId(identity.trust_domain, identity.site_id, identity.node_id)
+    if identity.spiffe_id != str(expected):
+        raise _Bad("spiffe_id does not match node_id, site_id and trust_domain")
+    if identity.key not in KEY_KINDS:
+        raise _Bad("key must be file or tpm")
+    for name in ("trust_version", "identity_generation", "version"):
+        value = getattr(identity, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise _Bad(f"{name} must be a non-negative integer")
+    try:
+        parse_time(identity.server_time)
+    except ValueError as exc:
+        raise _Bad("server_time is not an ISO 8601 UTC time") from exc
+    try:
+        not_after = parse_time(identity.not_after)
+    except ValueError as exc:
+        raise _Bad("not_after is not an ISO 8601 UTC time") from exc
+    try:
+        certs = pki.load_pem_chain(identity.chain)
+        info = pki.leaf_info(certs[0])
+    except (pki.PkiError, ValueError) as exc:
+        raise _Bad("the chain does not hold a node certificate") from exc
+    if info.spiffe != expected or info.role != identity.role:
+        raise _Bad("the certificate names another identity")
+    if info.not_after != not_after:
+        raise _Bad("not_after is not the certificate's")
+    if identity.bundle:
+        try:
+            pki.load_pem_chain(identity.bundle)
+        except (pki.PkiError, ValueError) as exc:
+            raise _Bad("the bundle does not parse") from exc
+
+
+# --- reading the data directory ---------------------------------------------------
+
+
+def _symlink_refused(path: Path) -> IdentityError:
+    return IdentityError(f"{path} is a symbolic link, which bcd refuses; {WAY_BACK}")
+
+
+def _read_regular(path: Path, limit: int) -> bytes | None:
+    """A regular file's content, never through a symlink; None when it does not exist."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise _symlink_refused(path) from exc
+        raise
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise IdentityError(f"{path} is not a regular file; {WAY_BACK}")
+        if st.st_size > limit:
+            raise IdentityError(f"{path} is too large; {WAY_BACK}")
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, 65536):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise IdentityError(f"{path} is too large; {WAY_BACK}")
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
+
+
+def _data_dir_exists(data_dir: Path) -> bool:
+    try:
+        st = os.lstat(data_dir)
+    except FileNotFoundError:
+        return False
+    except OSError as exc:
+        raise IdentityError(f"cannot read {data_dir}: {exc.strerror or exc}") from exc
+    if not stat.S_ISDIR(st.st_mode):
+        raise IdentityError(f"the data directory {data_dir} is not a directory")
+    return True
+
+
+NextKey = Literal["none", "promoted", "removed"]
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class LoadedState:
+    """An identity whose key matches its leaf. ``next_key`` tells what rule 2 did."""
+
+    data_dir: Path
+    identity: Identity
+    key: ec.EllipticCurvePrivateKey
+    leaf: x509.Certificate
+    leaf_info: pki.LeafInfo
+    next_key: NextKey = "none"
+
+    def expired(self, now: datetime) -> bool:
+        return _utc(now) >= self.leaf_info.not_after
+
+
+def load_state(data_dir: Path) -> LoadedState | None:
+    """Load the identity (the seed's LoadState); None when the node has not joined."""
+    if not _data_dir_exists(data_dir):
+        return None
+    identity_path = data_dir / IDENTITY_FILE
+    try:
+        raw = _read_regular(identity_path, MAX_IDENTITY_BYTES)
+    except OSError as exc:
+        raise IdentityError(f"cannot read {identity_path}: {exc.strerror or exc}") from exc
+    if raw is None:
+        return None
+    identity = parse_identity(raw)
+    leaf = identity.leaf()
+    info = pki.leaf_info(leaf)
+    leaf_key = leaf.public_key()
+    assert isinstance(leaf_key, ec.EllipticCurvePublicKey)  # leaf_info checked it
+    if identity.key != "file":
+        raise IdentityError(
+            f"this identity's key is held in the TPM, which this bcd cannot use; {WAY_BACK}"
+        )
+    next_key = _settle_next_key(data_dir, leaf_key)
+    key = _load_node_key(data_dir)
+    if not pki.same_public_key(key.public_key(), leaf_key):
+        raise IdentityError(KEY_MISMATCH)
+    return LoadedState(
+        data_dir=data_dir,
+        identity=identity,
+        key=key,
+        leaf=leaf,
+        leaf_info=info,
+        next_key=next_key,
+    )
+
+
+def _settle_next_key(data_dir: Path, leaf_key: ec.EllipticCurvePublicKey) -> NextKey:
+    """Rule 2: promote a certified node.key.next, remove any other."""
+    next_path = data_dir / NEXT_KEY_FILE
+    try:
+        raw = _read_regular(next_path, MAX_KEY_BYTES)
+        if raw is None:
+            return "none"
+        try:
+            certified = pki.same_public_key(load_key_pem(raw).public_key(), leaf_key)
+        except IdentityError:
+            certified = False
+        if certified:
+            os.rename(next_path, data_dir / NODE_KEY_FILE)
+            fs.fsync_dir(data_dir)
+            return "promoted"
+        fs.remove(next_path)
+        return "removed"
+    except OSError as exc:
+        raise IdentityError(
+            f"cannot settle {next_path}: {exc.strerror or exc}; {WAY_BACK}"
+        ) from exc
+
+
+def _load_node_key(data_dir: Path) -> ec.EllipticCurvePrivateKey:
+    path = data_dir / NODE_KEY_FILE
+    try:
+        raw = _read_regular(path, MAX_KEY_BYTES)
+    except OSError as exc:
+        raise IdentityError(f"cannot read {path}: {exc.strerror or exc}; {WAY_BACK}") from exc
+    if raw is None:
+        raise IdentityError(f"the node key {path} is missing; {WAY_BACK}")
+    try:
+        return load_key_pem(raw)
+    except IdentityError as exc:
+        raise IdentityError(f"the node key {path} does not load: {exc}; {WAY_BACK}") from exc
+
+
+# --- writing ----------------------------------------------------------------------
+
+
+def persist_join(data_dir: Path, identity: Identity, key_pem: bytes, now: datetime) -> None:
+    """Store a joined identity (the seed's Persist step).
+
+    In order: the data directory exists with mode 0700; when it held another node's
+    identity.json, that node's journal.db is moved aside as
+    ``journal.db.<oldNode>-<unix time>``; a stale node.key.next is removed; node.key
+    then identity.json are written (0600, atomically).
+    """
+    if identity.key == "file":
+        key = load_key_pem(key_pem)
+        leaf_key = identity.leaf().public_key()
+        if not isinstance(leaf_key, ec.EllipticCurvePublicKey) or not pki.same_public_key(
+            key.public_key(), leaf_key
+        ):
+            raise IdentityError("the issued certificate does not certify the node key")
+    try:
+        fs.ensure_dir(data_dir, 0o700)
+        old_node = _previous_node_id(data_dir)
+        if old_node is not None and old_node != identity.node_id:
+            _move_journal_aside(data_dir, f"{old_node}-{int(_utc(now).timestamp())}")
+        fs.remove(data_dir / NEXT_KEY_FILE)
+        fs.atomic_write(data_dir / NODE_KEY_FILE, key_pem, 0o600)
+        fs.atomic_write(data_dir / IDENTITY_FILE, identity.to_json(), 0o600)
+    except OSError as exc:
+        raise IdentityError(
+            f"cannot store the identity in {data_dir}: {exc.strerror or exc}"
+        ) from exc
+
+
+def _previous_node_id(data_dir: Path) -> str | None:
+    """The node id in an existing identity.json; ``unknown`` when it cannot be read."""
+    try:
+        raw = _read_regular(data_dir / IDENTITY_FILE, MAX_IDENTITY_BYTES)
+    except (IdentityError, OSError):
+        return "unknown"
+    if raw is None:
+        return None
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "unknown"
+    node_id = obj.get("node_id") if isinstance(obj, dict) else None
+    return node_id if isinstance(node_id, str) and _NODE_ID.fullmatch(node_id) else "unknown"
+
+
+def _move_journal_aside(data_dir: Path, tag: str) -> None:
+    names = [JOURNAL_FILE, *(JOURNAL_FILE + s for s in JOURNAL_SIDECARS)]
+    present = [n for n in names if os.path.lexists(data_dir / n)]
+    if not present:
+        return
+    base = _free_name(data_dir, f"{JOURNAL_FILE}.{tag}", JOURNAL_SIDECARS)
+    for name in present:
+        os.rename(data_dir / name, data_dir / (base + name[len(JOURNAL_FILE) :]))
+    fs.fsync_dir(data_dir)
+
+
+def _free_name(directory: Path, base: str, suffixes: tuple[str, ...]) -> str:
+    """``base``, or ``base-N``, such that neither it nor it+suffix exists."""
+    candidate, n = base, 0
+    while any(os.path.lexists(directory / (candidate + s)) for s in ("", *suffixes)):
+        n += 1
+        candidate = f"{base}-{n}"
+    return candidate
+
+
+def write_next_key(data_dir: Path, next_key_pem: bytes) -> None:
+    """Renewal step 2: node.key.next is written before the request is built."""
+    try:
+        fs.atomic_write(data_dir / NEXT_KEY_FILE, next_key_pem, 0o600)
+    except OSError as exc:
+        raise IdentityError(f"cannot write {data_dir / NEXT_KEY_FILE}: {exc.strerror}") from exc
+
+
+def store_renewal(data_dir: Path, identity: Identity, next_key_pem: bytes) -> None:
+    """Renewal step 5: node.key.next again, identity.json, then node.key.next over node.key.
+
+    A crash between any two steps leaves a state :func:`load_state` settles to a key
+    and certificate that match.
+    """
+    next_path = data_dir / NEXT_KEY_FILE
+    try:
+        fs.atomic_write(next_path, next_key_pem, 0o600)
+        fs.atomic_write(data_dir / IDENTITY_FILE, identity.to_json(), 0o600)
+        os.rename(next_path, data_dir / NODE_KEY_FILE)
+        fs.fsync_dir(data_dir)
+    except OSError as exc:
+        raise IdentityError(
+            f"cannot store the renewed identity in {data_dir}: {exc.strerror or exc}"
+        ) from exc
+
+
+def hand_over(data_dir: Path, uid: int, gid: int) -> None:
+    """Join step 7: give identity.json and node.key to the [helper] user.
+
+    ``lchown`` changes only a link if a name was swapped for one.
+    """
+    for name in (IDENTITY_FILE, NODE_KEY_FILE):
+        try:
+            os.lchown(data_dir / name, uid, gid)
+        except OSError as exc:
+            raise IdentityError(f"cannot hand {data_dir / name} over: {exc.strerror}") from exc
+
+
+# --- bcd join --reset -------------------------------------------------------------
+
+RESET_FILES = (IDENTITY_FILE, NODE_KEY_FILE, NEXT_KEY_FILE, JOURNAL_FILE)
+
+
+def reset_plan(data_dir: Path, now: datetime) -> list[tuple[Path, Path]]:
+    """What ``bcd join --reset`` moves aside: each present file to ``<name>.reset-<unix>``.
+
+    identity.json, node.key, node.key.next and journal.db, in the same directory. The
+    journal's SQLite companions (-wal, -shm, -journal) go with it as
+    ``journal.db.reset-<unix>-wal`` and so on. Nothing is moved here.
+    """
+    if not _data_dir_exists(data_dir):
+        return []
+    suffix = f".reset-{int(_utc(now).timestamp())}"
+    sources = [*RESET_FILES, *(JOURNAL_FILE + s for s in JOURNAL_SIDECARS)]
+    present = [n for n in sources if os.path.lexists(data_dir / n)]
+
+    def target(name: str, sfx: str) -> str:
+        if name.startswith(JOURNAL_FILE + "-"):
+            return JOURNAL_FILE + sfx + name[len(JOURNAL_FILE) :]
+        return name + sfx
+
+    n = 0
+    chosen = suffix
+    while any(os.path.lexists(data_dir / target(name, chosen)) for name in present):
+        n += 1
+        chosen = f"{suffix}-{n}"
+    return [(data_dir / name, data_dir / target(name, chosen)) for name in present]
+
+
+def apply_reset(plan: list[tuple[Path, Path]]) -> None:
+    """Do the renames of :func:`reset_plan` (never over an existing name), then fsync."""
+    directories: list[Path] = []
+    for src, dst in plan:
+        try:
+            if os.path.lexists(dst):
+                raise FileExistsError(errno.EEXIST, "the target exists", str(dst))
+            os.rename(src, dst)
+        except OSError as exc:
+            raise IdentityError(f"cannot move {src} aside: {exc.strerror or exc}") from exc
+        if src.parent not in directories:
+            directories.append(src.parent)
+    for directory in directories:
+        with contextlib.suppress(OSError):
+            fs.fsync_dir(directory)

@@ -1,0 +1,234 @@
+"""agent.Join: key, CSR, seal, call, verify, persist (seed 003, "What the join does").
+
+The exchange with the gateway is :func:`exchange`; the answer is checked by the pure
+:func:`verify_joined` in the seed's order: the signature under the pinned key, that
+``csr_sha256`` is this request's, that the leaf certifies this key, the SPIFFE ID,
+and the role.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+import trio
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import __version__, pki, wire
+from bcd.config import Config, gateway_host_port
+from bcd.errors import JoinError, PeerVerificationError, RetryableError, TransportError
+from bcd.httpclient import request
+from bcd.identity import Identity, make_identity
+from bcd.plugins import NodeJoinContext, Plugins, wire_name
+from bcd.tls import connect_pinned
+
+log = logging.getLogger("bcd.join")
+
+MAX_ATTEMPTS = 20
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 30.0
+REFUSED = "the control plane refused the join (ACCESS_DENIED: Join refused)"
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    identity: Identity
+    body: dict[str, Any]
+
+
+def verify_joined(
+    signed: str,
+    *,
+    signing_pin: str,
+    csr_der: bytes,
+    key: ec.EllipticCurvePublicKey,
+    role: str,
+) -> dict[str, Any]:
+    """Check a SignedResponse in the seed's order; return its body or raise JoinError."""
+    try:
+        body = wire.verify_response(signed, signing_pin)
+    except wire.WireError as exc:
+        raise JoinError(f"the join answer does not verify: {exc}") from exc
+    if body.get("kind") != "joined":
+        return body
+    if body.get("csr_sha256") != pki.sha256_hex(csr_der):
+        raise JoinError("the join answer is for another request (csr_sha256 differs)")
+    chain = body.get("chain")
+    if not isinstance(chain, str):
+        raise JoinError("the join answer has no certificate chain")
+    try:
+        leaf = pki.load_pem_chain(chain)[0]
+        leaf_key = leaf.public_key()
+        if not isinstance(leaf_key, ec.EllipticCurvePublicKey) or not pki.same_public_key(
+            leaf_key, key
+        ):
+            raise JoinError("the issued certificate does not certify this node's key")
+        info = pki.leaf_info(leaf)
+    except pki.PkiError as exc:
+        raise JoinError(f"the issued certificate is not a node certificate: {exc}") from exc
+    spiffe = info.spiffe
+    if (
+        spiffe.node_id != body.get("node_id")
+        or spiffe.site_id != body.get("site_id")
+        or spiffe.trust_domain != body.get("trust_domain")
+    ):
+        raise JoinError("the issued certificate's SPIFFE ID does not match the join answer")
+    allowed = {role, "node-tenant"} if role == "node" else {role}
+    if info.role not in allowed or body.get("role") != info.role:
+        raise JoinError(f"the issued certificate's role {info.role} is not the requested {role}")
+    return body
+
+
+def identity_of(body: dict[str, Any]) -> Identity:
+    server_ms = body.get("server_time")
+    server_time = (
+        datetime.fromtimestamp(server_ms / 1000, UTC).isoformat().replace("+00:00", "Z")
+        if isinstance(server_ms, int)
+        else ""
+    )
+    generation = body.get("identity_generation", 1)
+    trust_version = body.get("trust_version", 1)
+    bundle = body.get("bundle", "")
+    return make_identity(
+        chain=body["chain"],
+        bundle=bundle if isinstance(bundle, str) else "",
+        trust_version=trust_version if isinstance(trust_version, int) else 1,
+        server_time=server_time,
+        key="file",
+        identity_generation=generation if isinstance(generation, int) else 1,
+    )
+
+
+Sender = Callable[[bytes], Awaitable[str]]
+
+
+def gateway_sender(cfg: Config) -> Sender:
+    """POST /v1/join over TLS pinned to the serving CA; one connection per attempt."""
+    host, port = gateway_host_port(cfg)
+
+    async def send(body: bytes) -> str:
+        stream = await connect_pinned(host, port, cfg.server_name, cfg.serving_ca_spki_pin)
+        try:
+            resp = await request(
+                stream,
+                "POST",
+                "/v1/join",
+                cfg.server_name,
+                body,
+                headers=[("content-type", "application/json")],
+            )
+        finally:
+            await stream.aclose()
+        if resp.status == 200:
+            return resp.body.decode("ascii", "replace")
+        err = wire.parse_error(resp.body)
+        if err is None:
+            raise RetryableError(f"the gateway answered HTTP {resp.status}")
+        if err.code in wire.RETRYABLE:
+            pushback = resp.headers.get("retry-pushback-ms")
+            wait = int(pushback) / 1000 if pushback and pushback.isdigit() else None
+            raise RetryableError(f"{err.code}: {err.message}", wait)
+        if err.code == "ACCESS_DENIED":
+            raise JoinError(REFUSED)
+        raise JoinError(f"the join failed: {err.code}: {err.message}")
+
+    return send
+
+
+async def send_with_retries(
+    send: Sender,
+    make_body: Callable[[], bytes],
+    *,
+    attempts: int = MAX_ATTEMPTS,
+    rng: random.Random | None = None,
+) -> str:
+    """Up to ``attempts`` tries; back off between them, or wait out the server's pushback."""
+    rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
+    delay = BACKOFF_FIRST_S
+    for attempt in range(1, attempts + 1):
+        try:
+            return await send(make_body())
+        except PeerVerificationError:
+            raise
+        except (RetryableError, TransportError) as exc:
+            if attempt == attempts:
+                raise JoinError(f"the join failed after {attempts} attempts: {exc}") from exc
+            pushback = exc.pushback_s if isinstance(exc, RetryableError) else None
+            wait = pushback if pushback is not None else delay * (0.5 + rng.random() / 2)
+            log.warning("join attempt %d failed (%s); retrying in %.1f s", attempt, exc, wait)
+            await trio.sleep(wait)
+            delay = min(delay * 2, BACKOFF_MAX_S)
+    raise AssertionError("unreachable")  # pragma: no cover
+
+
+async def join(
+    cfg: Config,
+    plugins: Plugins,
+    *,
+    attestor: str,
+    role: str,
+    credential: str | None,
+    encryption_key: ec.EllipticCurvePublicKey | None,
+    claims: wire.Claims,
+    key: ec.EllipticCurvePrivateKey,
+    node_id: str | None = None,
+    send: Sender | None = None,
+    attempts: int = MAX_ATTEMPTS,
+    wall: Callable[[], float] | None = None,
+) -> Joined:
+    """Run the join; return the verified body and the identity to persist."""
+    import time
+
+    clock = wall or time.time
+    csr_der = pki.make_csr(key)
+
+    def make_body() -> bytes:
+        ctx = NodeJoinContext(
+            credential=credential,
+            csr_der=csr_der,
+            encryption_key=encryption_key,
+            now_s=int(clock()),
+            role=role,
+        )
+        evidence = plugins.node_evidence(attestor, ctx)
+        if evidence is None:
+            raise JoinError(f"no attestor plugin named {attestor!r} is loaded")
+        req = wire.JoinRequest(
+            role=role,
+            attestor=wire_name(attestor),
+            sealed_token=evidence.sealed_token,
+            csr_der=csr_der,
+            claims=claims,
+            evidence=evidence.evidence,
+            node_id=node_id,
+            daemon_version=__version__,
+        )
+        return wire.dumps(req.to_json())
+
+    sender = send or gateway_sender(cfg)
+    while True:
+        signed = await send_with_retries(sender, make_body, attempts=attempts)
+        body = verify_joined(
+            signed,
+            signing_pin=cfg.join_signing_key_pin,
+            csr_der=csr_der,
+            key=key.public_key(),
+            role=role,
+        )
+        if body["kind"] == "joined":
+            return Joined(identity_of(body), body)
+        if body["kind"] == "pending":
+            wait = body.get("retry_after_s", 1)
+            wait = max(1, wait) if isinstance(wait, int) else 1
+            print(
+                f"waiting for approval of join request {body.get('request_id', '?')}; "
+                f"asking again in {wait} s",
+                flush=True,
+            )
+            await trio.sleep(wait)
+            continue
+        raise JoinError(f"the {attestor} attestor's challenge rounds are not supported by this bcd")

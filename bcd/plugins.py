@@ -1,0 +1,237 @@
+"""The attestor plugin contract and the plugin manager.
+
+An attestor proves to JoinService that a machine may join. Each attestor has a
+name (``join-token`` — sent as ``""`` on the wire —, ``tpm``, ``discovery``,
+``x509pop``, or a third party's) and two halves, both implemented as hooks below:
+the node half builds evidence (and answers challenge rounds), the server half
+judges it inside the join transaction.
+
+Plugins are Python modules registered under the entry-point group ``bcd.attestors``
+(``[project.entry-points."bcd.attestors"]``). The built-in attestors load exactly
+that way. A hook implementation may accept any subset of a hook's arguments, so the
+contract grows by adding arguments, never by breaking plugins. Each hook is called
+with the attestor's name; an implementation returns ``None`` for names it does not
+own (all attestor hooks are ``firstresult``).
+
+A plugin that fails to import or register is reported by name in
+:attr:`Plugins.failures` (and by ``bcd doctor``); it never takes the agent or the
+control plane down.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import pluggy
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import wire
+
+PROJECT = "bcd"
+ENTRY_POINT_GROUP = "bcd.attestors"
+JOIN_TOKEN = "join-token"  # noqa: S105 - a name, not a secret
+
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+log = logging.getLogger("bcd.plugins")
+
+
+def wire_name(attestor: str) -> str:
+    """The name on the wire: join-token travels as ``""``."""
+    return "" if attestor == JOIN_TOKEN else attestor
+
+
+def canonical_name(wire_attestor: str) -> str:
+    return JOIN_TOKEN if wire_attestor in ("", JOIN_TOKEN) else wire_attestor
+
+
+# --- what the node half receives and returns -------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class NodeJoinContext:
+    """What the node half of an attestor may use to build its evidence.
+
+    ``credential`` is the join credential read by ``bcd join`` (a token), or None
+    for attestors that need none. ``encryption_key`` is the JoinService encryption
+    key, already checked against ``join_encryption_key_pin``.
+    """
+
+    credential: str | None = field(repr=False)
+    csr_der: bytes
+    encryption_key: ec.EllipticCurvePublicKey | None
+    now_s: int
+    role: str
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEvidence:
+    """The node half's answer: the sealed token (join-token only) and evidence."""
+
+    sealed_token: str | None = field(repr=False)
+    evidence: dict[str, Any]
+
+
+# --- what the server half receives and returns -----------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class TokenRecord:
+    """A join token row as the server half sees it (locked for this transaction)."""
+
+    token_id: str
+    tenant_id: str
+    pool_id: str
+    site_id: str
+    role: str
+    secret_sha256: str
+    uses_left: int
+    expires_at_ms: int
+    revoked: bool
+    expect: Mapping[str, str]
+    allow_reclaim: bool
+    hosted: str | None
+
+
+class ServerJoinContext(Protocol):
+    """What JoinService lends the server half, inside the join's one transaction."""
+
+    now_ms: int
+    """``compute_now()``: the database's time, against which expiry is judged."""
+
+    seal: wire.OpenedSeal | None
+    """The opened sealed token (typ, kid, CSR binding and iat already checked)."""
+
+    def lock_join_token(self, token_id: str) -> TokenRecord | None:
+        """Lock the token row for this transaction and return it (None if unknown)."""
+
+    def consume_join_token(self, token_id: str) -> None:
+        """Take one use of the token; undone if the join is refused later."""
+
+
+@dataclass(frozen=True, slots=True)
+class Admit:
+    """The server half admits the machine into ``pool_id`` with ``role``.
+
+    ``expect``, ``allow_reclaim`` and ``hosted`` come from the credential; JoinService
+    applies the expect, placeholder, reclaim and pool rules after this.
+    """
+
+    tenant_id: str
+    pool_id: str
+    site_id: str
+    role: str
+    expect: Mapping[str, str] = field(default_factory=dict)
+    allow_reclaim: bool = False
+    hosted: str | None = None
+    node_key: str = "unattested"
+    statements: tuple[str, ...] = ()
+    allowed_kinds: tuple[str, ...] = ()
+    credential_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Refuse:
+    """The server half refuses. ``reason`` is the attestor's own (``token-secret``);
+    JoinService prefixes the attestor name. ``tenant_id`` is set only once the caller
+    proved a secret of that tenant, which routes the refusal event there."""
+
+    reason: str
+    tenant_id: str | None = None
+
+
+Verdict = Admit | Refuse
+
+
+# --- the hookspecs: the contract ---------------------------------------------------
+
+
+class AttestorSpec:
+    @hookspec
+    def bcd_attestor_names(self) -> list[str]:  # type: ignore[empty-body]
+        """Return the names of the attestors this plugin provides."""
+
+    @hookspec(firstresult=True)
+    def bcd_node_evidence(
+        self, attestor: str, ctx: NodeJoinContext
+    ) -> NodeEvidence | None:
+        """Node half: build the evidence for a join with ``attestor``.
+
+        Return None if ``attestor`` is not yours. Raise ``bcd.errors.BcdError`` with a
+        message for the operator when evidence cannot be built. Never log a secret.
+        """
+
+    @hookspec(firstresult=True)
+    def bcd_server_verify(
+        self, attestor: str, request: wire.JoinRequest, ctx: ServerJoinContext
+    ) -> Verdict | None:
+        """Server half: judge ``request`` inside the join transaction.
+
+        Return None if ``attestor`` is not yours, else :class:`Admit` or
+        :class:`Refuse`. Compare secrets in constant time. Exceptions are treated as
+        a refusal with reason ``plugin-error`` and logged without their text reaching
+        the client.
+        """
+
+
+# --- the plugin manager ------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class PluginFailure:
+    name: str
+    error: str
+
+
+@dataclass
+class Plugins:
+    pm: pluggy.PluginManager
+    failures: list[PluginFailure]
+
+    def names(self) -> list[str]:
+        out: list[str] = []
+        for names in self.pm.hook.bcd_attestor_names():
+            out.extend(n for n in names if n not in out)
+        return out
+
+    def node_evidence(self, attestor: str, ctx: NodeJoinContext) -> NodeEvidence | None:
+        result: NodeEvidence | None = self.pm.hook.bcd_node_evidence(attestor=attestor, ctx=ctx)
+        return result
+
+    def server_verify(
+        self, attestor: str, request: wire.JoinRequest, ctx: ServerJoinContext
+    ) -> Verdict | None:
+        result: Verdict | None = self.pm.hook.bcd_server_verify(
+            attestor=attestor, request=request, ctx=ctx
+        )
+        return result
+
+
+def load_plugins(extra: list[object] | None = None) -> Plugins:
+    """Load every attestor registered under ``bcd.attestors``, reporting failures."""
+    pm = pluggy.PluginManager(PROJECT)
+    pm.add_hookspecs(AttestorSpec)
+    failures: list[PluginFailure] = []
+    for ep in sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
+    ):
+        if pm.get_plugin(ep.name) is not None:
+            continue
+        try:
+            module = ep.load()
+            pm.register(module, name=ep.name)
+        except Exception as exc:  # a broken plugin never takes the host down
+            log.warning("attestor plugin %s failed to load: %s", ep.name, type(exc).__name__)
+            failures.append(PluginFailure(ep.name, f"{type(exc).__name__}: {exc}"))
+    for plugin in extra or []:
+        pm.register(plugin)
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        failures.append(PluginFailure(str(exc.plugin), "implements an unknown hook"))
+    return Plugins(pm, failures)

@@ -1,0 +1,259 @@
+"""The tenant API under /api/compute, the well-known document, and the gateway routes.
+
+Handlers parse the request into typed values, run one store transaction in a worker
+thread, and answer JSON. A ControlError becomes ``{"code", "message"}``; any other
+exception becomes a generic 500 in control.http, never its text.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import trio
+
+from bcd import __version__, wire
+from control import events, nodes, tenancy, tokens
+from control.errors import ControlError, Refused, invalid
+from control.http import Request, Response, error_response, json_response
+from control.joinservice import JoinService
+from control.store import Store, Tx
+
+log = logging.getLogger("control.api")
+
+BASE_PATH = "/api/compute"
+T = TypeVar("T")
+
+
+@dataclass
+class App:
+    store: Store
+    joinservice: JoinService
+    well_known_join: dict[str, Any] | None
+    gateway: dict[str, Any] | None
+    limiter: trio.CapacityLimiter
+
+    async def run(self, fn: Callable[[Tx], T]) -> T:
+        def work() -> T:
+            with self.store.tx() as tx:
+                return fn(tx)
+
+        return await trio.to_thread.run_sync(work, limiter=self.limiter)
+
+    # --- the API ------------------------------------------------------------------
+
+    async def api(self, req: Request) -> Response:
+        try:
+            return await self._api(req)
+        except ControlError as exc:
+            return _error(exc)
+
+    async def _api(self, req: Request) -> Response:
+        path = req.path
+        if not path.startswith(BASE_PATH + "/"):
+            raise ControlError("NOT_FOUND", "no such path")
+        path = path[len(BASE_PATH) :]
+        if path == "/.well-known/better-compute" and req.method == "GET":
+            return json_response(200, self.well_known())
+        m = re.fullmatch(r"/v1/tenants/([a-z]+_[0-9a-z]{26})(/.*)", path)
+        if not m:
+            raise ControlError("NOT_FOUND", "no such path")
+        tenant_id, rest = m.group(1), m.group(2)
+        caller = await self._authenticate(req)
+        if caller != tenant_id:
+            raise ControlError("NOT_FOUND", "no such tenant")
+        body = _json_body(req) if req.method == "POST" else {}
+        route = _route(req.method, rest)
+        if route is None:
+            raise ControlError("NOT_FOUND", "no such path")
+        name, args = route
+        handler: Callable[..., Awaitable[Response]] = getattr(self, f"_r_{name}")
+        return await handler(tenant_id, body, req.query, *args)
+
+    async def _authenticate(self, req: Request) -> str:
+        header = req.headers.get("authorization", "")
+        if not header.startswith("Bearer "):
+            raise ControlError("UNAUTHENTICATED", "an API credential is required (Bearer bcak_…)")
+        bearer = header[len("Bearer ") :].strip()
+        tenant = await self.run(lambda tx: tenancy.authenticate(tx, bearer))
+        if tenant is None:
+            raise ControlError("UNAUTHENTICATED", "the API credential is not valid")
+        return tenant
+
+    def well_known(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "name": "better-compute",
+            "version": __version__,
+            "basePath": BASE_PATH,
+            "protocol": {"min": wire.PROTOCOL_VERSION, "max": wire.PROTOCOL_VERSION},
+        }
+        if self.well_known_join is not None:
+            doc["join"] = self.well_known_join
+        if self.gateway is not None:
+            doc["gateway"] = self.gateway
+        return doc
+
+    async def _r_sites_create(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str]
+    ) -> Response:
+        name = _field(body, "name", str)
+        return json_response(200, await self.run(lambda tx: tenancy.create_site(tx, tenant, name)))
+
+    async def _r_pools_create(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str]
+    ) -> Response:
+        site_id = _field(body, "siteId", str)
+        name = _field(body, "name", str)
+        agent = _field(body, "agent", str)
+        policy = body.get("policy") or {}
+        if not isinstance(policy, dict):
+            raise invalid("policy must be an object")
+
+        def create(tx: Tx) -> dict[str, Any]:
+            site = tx.one("SELECT tenant_id FROM sites WHERE id = ?", (site_id,))
+            if site is None or site["tenant_id"] != tenant:
+                raise ControlError("NOT_FOUND", "no such site")
+            return tenancy.create_pool(tx, tenant, site_id, name, agent, policy)
+
+        return json_response(200, await self.run(create))
+
+    async def _r_tokens_create(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str
+    ) -> Response:
+        ttl = _field(body, "ttlSeconds", int)
+        max_uses = _field(body, "maxUses", int, 1)
+        allow_reclaim = _field(body, "allowReclaim", bool, False)
+        hosted = _field(body, "hosted", str, None)
+        key = _field(body, "idempotencyKey", str, None)
+        role = _field(body, "role", str, "node")
+        expect = body.get("expect")
+        created = await self.run(
+            lambda tx: tokens.create(
+                tx,
+                tenant,
+                pool_id,
+                ttl_s=ttl,
+                max_uses=max_uses,
+                allow_reclaim=allow_reclaim,
+                expect=expect,
+                hosted=hosted,
+                idempotency_key=key,
+                role=role,
+            )
+        )
+        return json_response(200, created)
+
+    async def _r_tokens_list(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str
+    ) -> Response:
+        include = q.get("includeInactive", "false") == "true"
+        try:
+            size = int(q.get("pageSize", tokens.PAGE_DEFAULT))
+        except ValueError:
+            raise invalid("pageSize must be a number") from None
+        page = q.get("pageToken")
+        return json_response(
+            200,
+            await self.run(
+                lambda tx: tokens.list_tokens(
+                    tx, tenant, pool_id, include_inactive=include, page_size=size, page_token=page
+                )
+            ),
+        )
+
+    async def _r_tokens_revoke(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str, token_id: str
+    ) -> Response:
+        return json_response(
+            200, await self.run(lambda tx: tokens.revoke(tx, tenant, pool_id, token_id))
+        )
+
+    async def _r_events_list(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str]
+    ) -> Response:
+        type_ = q.get("type") or None
+        try:
+            since = int(q["since"]) if q.get("since") else None
+            limit = min(int(q.get("limit", "100")), 1000)
+        except ValueError:
+            raise invalid("since and limit must be numbers") from None
+        items = await self.run(lambda tx: events.list_events(tx, tenant, type_, since, limit))
+        return json_response(200, {"items": items})
+
+    async def _r_nodes_list(self, tenant: str, body: dict[str, Any], q: dict[str, str]) -> Response:
+        return json_response(
+            200, {"items": await self.run(lambda tx: nodes.list_nodes(tx, tenant))}
+        )
+
+    # --- the gateway ----------------------------------------------------------------
+
+    async def gateway_handler(self, req: Request) -> Response:
+        if req.method == "POST" and req.path == "/v1/join":
+            try:
+                signed = await trio.to_thread.run_sync(
+                    self.joinservice.join, req.body, limiter=self.limiter
+                )
+            except Refused as exc:
+                return error_response("ACCESS_DENIED", exc.message)
+            except ControlError as exc:
+                return _error(exc)
+            return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
+        return error_response("NOT_FOUND", "no such path")
+
+
+_ROUTES: list[tuple[str, re.Pattern[str], str]] = [
+    ("POST", re.compile(r"/sites"), "sites_create"),
+    ("POST", re.compile(r"/pools"), "pools_create"),
+    ("POST", re.compile(r"/pools/(pool_[0-9a-z]{26})/join-tokens"), "tokens_create"),
+    ("GET", re.compile(r"/pools/(pool_[0-9a-z]{26})/join-tokens"), "tokens_list"),
+    (
+        "POST",
+        re.compile(r"/pools/(pool_[0-9a-z]{26})/join-tokens/([^/]{1,200})/revoke"),
+        "tokens_revoke",
+    ),
+    ("GET", re.compile(r"/events"), "events_list"),
+    ("GET", re.compile(r"/nodes"), "nodes_list"),
+]
+
+
+def _route(method: str, path: str) -> tuple[str, tuple[str, ...]] | None:
+    for m, pattern, name in _ROUTES:
+        match = pattern.fullmatch(path)
+        if match and m == method:
+            return name, match.groups()
+    return None
+
+
+_MISSING = object()
+
+
+def _field(body: dict[str, Any], key: str, kind: type, default: Any = _MISSING) -> Any:
+    value = body.get(key, _MISSING)
+    if value is _MISSING or value is None:
+        if default is _MISSING:
+            raise invalid(f"{key} is required")
+        return default
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise invalid(f"{key} must be a whole number")
+    if not isinstance(value, kind):
+        raise invalid(f"{key} must be a {kind.__name__}")
+    return value
+
+
+def _json_body(req: Request) -> dict[str, Any]:
+    if not req.body:
+        return {}
+    try:
+        return wire.loads_object(req.body)
+    except wire.WireError as exc:
+        raise invalid(str(exc)) from exc
+
+
+def _error(exc: ControlError) -> Response:
+    headers: list[tuple[str, str]] = []
+    if exc.retry_after_ms is not None:
+        headers.append(("retry-pushback-ms", str(exc.retry_after_ms)))
+    return error_response(exc.code, exc.message, headers)

@@ -1,0 +1,449 @@
+"""``better-compute``: the reference control plane's command line.
+
+Exit codes: 0 success, 1 a failure or refusal, 2 a usage error. Errors print one
+line, ``better-compute: CODE: message``, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+from bcd import fs
+from control.errors import ControlError
+
+DEFAULT_HOME = "/var/lib/better-compute"
+DEFAULT_API = "http://127.0.0.1:8080"
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.print_usage(sys.stderr)
+        self.exit(2, f"better-compute: usage: {message}\n")
+
+
+def _home(args: argparse.Namespace) -> Path:
+    return Path(args.home or os.environ.get("BETTER_COMPUTE_HOME") or DEFAULT_HOME)
+
+
+def _secret() -> bytes:
+    secret = os.environ.get("BETTER_COMPUTE_SECRET", "")
+    if len(secret) < 16:
+        raise ControlError(
+            "INVALID_CONFIG",
+            "set BETTER_COMPUTE_SECRET (at least 16 characters); it encrypts the PKI's private keys",
+        )
+    return secret.encode("utf-8")
+
+
+def _db_url(args: argparse.Namespace) -> str:
+    url = args.db or os.environ.get("BETTER_COMPUTE_DB")
+    return url or f"sqlite:///{_home(args) / 'store.db'}"
+
+
+def parse_ttl(text: str) -> int:
+    """``90s``, ``15m``, ``1h``, ``24h`` or plain seconds: a whole number of seconds."""
+    m = re.fullmatch(r"(\d{1,6})([smh]?)", text.strip())
+    if not m:
+        raise argparse.ArgumentTypeError("a duration like 30m, 1h or 24h")
+    return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
+
+
+# --- pki ------------------------------------------------------------------------------
+
+
+def cmd_pki_init(args: argparse.Namespace) -> int:
+    from control import pki
+
+    secret = _secret()
+    directory = _home(args) / "pki"
+    try:
+        pki.init_pki(directory, args.trust_domain, secret, _now())
+        loaded = pki.load_pki(directory, secret)
+    except pki.PkiSetupError as exc:
+        raise ControlError(
+            "ALREADY_EXISTS" if "already" in str(exc) else "INVALID_ARGUMENT", str(exc)
+        ) from exc
+    print(f"PKI for {args.trust_domain} written to {directory}")
+    for name, pin in loaded.pins().items():
+        print(f'{name} = "{pin}"')
+    return 0
+
+
+def cmd_pki_issue_gateway(args: argparse.Namespace) -> int:
+    from control import pki
+
+    secret = _secret()
+    directory = _home(args) / "pki"
+    try:
+        loaded = pki.load_pki(directory, secret)
+        cert, _key = pki.issue_gateway(loaded, directory, args.san, secret, _now())
+    except (pki.PkiSetupError, ValueError) as exc:
+        raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
+    print(f"gateway certificate for {args.san} written to {cert}")
+    return 0
+
+
+def cmd_pki_pins(args: argparse.Namespace) -> int:
+    from control import pki
+
+    try:
+        loaded = pki.load_pki(_home(args) / "pki", _secret())
+    except pki.PkiSetupError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+    pins = loaded.pins()
+    if args.json:
+        print(json.dumps(pins, indent=2))
+    else:
+        for name, pin in pins.items():
+            print(f'{name} = "{pin}"')
+    return 0
+
+
+# --- serve and bootstrap ----------------------------------------------------------------
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from control import server
+
+    return server.main(
+        home=_home(args),
+        db_url=_db_url(args),
+        api_listen=args.api_listen,
+        gateway_listen=args.gateway_listen,
+        gateway_san=args.gateway_san,
+        gateway_url=args.gateway_url,
+        ready_file=Path(args.ready_file) if args.ready_file else None,
+        secret=_secret(),
+    )
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from control.store import open_store
+
+    store = open_store(_db_url(args))
+    try:
+        applied = store.migrate()
+    finally:
+        store.close()
+    print(f"applied migrations: {applied or 'none'}")
+    return 0
+
+
+def cmd_tenants_create(args: argparse.Namespace) -> int:
+    from control import tenancy
+    from control.store import open_store
+
+    out = Path(args.credential_out)
+    if out.exists() or out.is_symlink():
+        raise ControlError(
+            "ALREADY_EXISTS", f"{out} exists; --credential-out never writes over a file"
+        )
+    _home(args).mkdir(parents=True, exist_ok=True, mode=0o700)
+    store = open_store(_db_url(args))
+    try:
+        store.migrate()
+        with store.tx() as tx:
+            tenant_id, credential = tenancy.create_tenant(tx, args.name, root=args.root)
+            try:
+                fs.create_new(out, (credential + "\n").encode("ascii"), 0o600)
+            except FileExistsError as exc:
+                raise ControlError("ALREADY_EXISTS", f"{out} exists") from exc
+    finally:
+        store.close()
+    _emit(args, {"id": tenant_id, "name": args.name, "root": args.root}, f"tenant {tenant_id}")
+    return 0
+
+
+# --- API client verbs -------------------------------------------------------------------
+
+
+def _client(args: argparse.Namespace) -> Any:
+    from control.client import ApiClient
+
+    path = args.credential_file or os.environ.get("BETTER_COMPUTE_CREDENTIAL_FILE")
+    if not path:
+        raise ControlError(
+            "UNAUTHENTICATED", "name the API credential file: --credential-file FILE"
+        )
+    try:
+        credential = Path(path).read_text(encoding="ascii").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ControlError("UNAUTHENTICATED", f"cannot read the credential file {path}") from exc
+    api = args.api or os.environ.get("BETTER_COMPUTE_API") or DEFAULT_API
+    return ApiClient(api.rstrip("/") + "/api/compute", credential)
+
+
+def _emit(args: argparse.Namespace, obj: Any, text: str) -> None:
+    print(json.dumps(obj, indent=2) if getattr(args, "json", False) else text)
+
+
+def cmd_sites_create(args: argparse.Namespace) -> int:
+    site = _client(args).call("POST", f"/v1/tenants/{args.tenant}/sites", {"name": args.name})
+    _emit(args, site, f"site {site['id']}")
+    return 0
+
+
+def cmd_pools_create(args: argparse.Namespace) -> int:
+    policy: dict[str, Any] = {}
+    if args.attestors:
+        policy["joinAttestors"] = [a.strip() for a in args.attestors.split(",") if a.strip()]
+    if args.acceptance_checks:
+        policy["acceptanceChecks"] = True
+    body = {"siteId": args.site, "name": args.name, "agent": args.agent, "policy": policy}
+    pool = _client(args).call("POST", f"/v1/tenants/{args.tenant}/pools", body)
+    _emit(args, pool, f"pool {pool['id']}")
+    return 0
+
+
+def _expect(args: argparse.Namespace) -> dict[str, str]:
+    pairs = {
+        "productUuid": args.expect_product_uuid,
+        "serial": args.expect_serial,
+        "mac": args.expect_mac,
+        "gpuUuid": args.expect_gpu_uuid,
+    }
+    return {k: v for k, v in pairs.items() if v}
+
+
+def _token_line(rec: dict[str, Any]) -> str:
+    state = "revoked" if rec["revoked"] else f"{rec['usesLeft']}/{rec['maxUses']} uses left"
+    return f"{rec['id']}  {rec['role']}  {state}  expires {rec['expiresAt']}"
+
+
+def cmd_tokens_create(args: argparse.Namespace) -> int:
+    out = Path(args.out) if args.out else None
+    if out is not None and (out.exists() or out.is_symlink()):
+        raise ControlError("ALREADY_EXISTS", f"{out} exists; --out never writes over a file")
+    body: dict[str, Any] = {
+        "ttlSeconds": args.ttl,
+        "maxUses": args.max_uses,
+        "allowReclaim": args.allow_reclaim,
+        "role": args.role,
+    }
+    if expect := _expect(args):
+        body["expect"] = expect
+    if args.hosted:
+        body["hosted"] = args.hosted
+    if args.key:
+        body["idempotencyKey"] = args.key
+    rec = _client(args).call(
+        "POST", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-tokens", body
+    )
+    token = rec.pop("token", None)
+    if out is not None:
+        if token is None:
+            raise ControlError(
+                "INVALID_STATE",
+                f"--key {args.key} was used before and its answer carries no token; revoke that "
+                f"token (better-compute join-tokens revoke {rec['id']} --tenant {args.tenant} "
+                f"--pool {args.pool}) and create a new one",
+            )
+        try:
+            fs.create_new(out, (token + "\n").encode("ascii"), 0o600)
+        except FileExistsError as exc:
+            raise ControlError(
+                "ALREADY_EXISTS",
+                f"{out} appeared meanwhile; the token {rec['id']} was minted but not written: "
+                f"revoke it and create a new one",
+            ) from exc
+        _emit(args, rec, f"{_token_line(rec)}\ntoken written to {out}")
+        return 0
+    if args.json:
+        print(json.dumps({**rec, "token": token} if token else rec, indent=2))
+    else:
+        print(_token_line(rec))
+        print(
+            token if token else "(an earlier answer for this --key; the token is not shown again)"
+        )
+    return 0
+
+
+def cmd_tokens_list(args: argparse.Namespace) -> int:
+    query = f"?pageSize={args.page_size}" + ("&includeInactive=true" if args.all else "")
+    if args.page_token:
+        query += f"&pageToken={args.page_token}"
+    page = _client(args).call(
+        "GET", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-tokens{query}"
+    )
+    if args.json:
+        print(json.dumps(page, indent=2))
+    else:
+        for rec in page["items"]:
+            print(_token_line(rec))
+        if page.get("nextPageToken"):
+            print(f"more: --page-token {page['nextPageToken']}")
+    return 0
+
+
+def cmd_tokens_revoke(args: argparse.Namespace) -> int:
+    if "." in args.token_id:
+        raise ControlError(
+            "INVALID_ARGUMENT",
+            "join-tokens revoke takes the token id (jt_…), never the token itself",
+        )
+    rec = _client(args).call(
+        "POST", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-tokens/{args.token_id}/revoke"
+    )
+    _emit(args, rec, f"revoked {rec['id']}")
+    return 0
+
+
+def cmd_events_list(args: argparse.Namespace) -> int:
+    query = []
+    if args.type:
+        query.append(f"type={args.type}")
+    if args.since:
+        query.append(f"since={args.since}")
+    page = _client(args).call("GET", f"/v1/tenants/{args.tenant}/events?" + "&".join(query))
+    if args.json:
+        print(json.dumps(page, indent=2))
+    else:
+        for ev in page["items"]:
+            print(f"{ev['id']}  {ev['type']}  {json.dumps(ev['payload'], sort_keys=True)}")
+    return 0
+
+
+def cmd_nodes_list(args: argparse.Namespace) -> int:
+    page = _client(args).call("GET", f"/v1/tenants/{args.tenant}/nodes")
+    if args.json:
+        print(json.dumps(page, indent=2))
+    else:
+        for n in page["items"]:
+            print(
+                f"{n['id']}  {n['role']}  {n['state']}  pool {n['poolId']}  gen {n['identityGeneration']}"
+            )
+    return 0
+
+
+# --- the parser ----------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    top = _Parser(prog="better-compute", description="the better-compute reference control plane")
+    top.add_argument(
+        "--home", help=f"state directory (default $BETTER_COMPUTE_HOME or {DEFAULT_HOME})"
+    )
+    sub = top.add_subparsers(dest="group", required=True, parser_class=_Parser)
+
+    def verb(group: Any, name: str, fn: Any, *, client: bool = False, db: bool = False) -> Any:
+        p = group.add_parser(name)
+        p.set_defaults(fn=fn)
+        p.add_argument("--json", action="store_true", help="print JSON")
+        if client:
+            p.add_argument(
+                "--api", help=f"control plane URL (default $BETTER_COMPUTE_API or {DEFAULT_API})"
+            )
+            p.add_argument("--credential-file", help="file holding the API credential (bcak_…)")
+        if db:
+            p.add_argument("--db", help="database URL: sqlite:///FILE (default) or postgresql://…")
+        return p
+
+    pki_group = sub.add_parser("pki").add_subparsers(
+        dest="verb", required=True, parser_class=_Parser
+    )
+    p = verb(pki_group, "init", cmd_pki_init)
+    p.add_argument("--trust-domain", required=True)
+    p = verb(pki_group, "issue-gateway", cmd_pki_issue_gateway)
+    p.add_argument("--san", required=True, help="the gateway's DNS name or IP address")
+    verb(pki_group, "pins", cmd_pki_pins)
+
+    p = verb(sub, "serve", cmd_serve, db=True)
+    p.add_argument("--api-listen", default="127.0.0.1:8080")
+    p.add_argument("--gateway-listen", default="127.0.0.1:8443")
+    p.add_argument(
+        "--gateway-san", default="127.0.0.1", help="which issued gateway certificate to serve"
+    )
+    p.add_argument(
+        "--gateway-url", help="the gateway URL nodes dial, published in the well-known document"
+    )
+    p.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
+    verb(sub, "migrate", cmd_migrate, db=True)
+
+    tenants = sub.add_parser("tenants").add_subparsers(
+        dest="verb", required=True, parser_class=_Parser
+    )
+    p = verb(tenants, "create", cmd_tenants_create, db=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--root", action="store_true", help="the root (platform) tenant")
+    p.add_argument("--credential-out", required=True, help="new 0600 file for the API credential")
+
+    sites = sub.add_parser("sites").add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    p = verb(sites, "create", cmd_sites_create, client=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--name", required=True)
+
+    pools = sub.add_parser("pools").add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    p = verb(pools, "create", cmd_pools_create, client=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--site", required=True)
+    p.add_argument("--name", required=True)
+    p.add_argument("--agent", default="bcd")
+    p.add_argument("--attestors", help="policy.joinAttestors, comma separated")
+    p.add_argument("--acceptance-checks", action="store_true")
+
+    jt = sub.add_parser("join-tokens").add_subparsers(
+        dest="verb", required=True, parser_class=_Parser
+    )
+    p = verb(jt, "create", cmd_tokens_create, client=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--pool", required=True)
+    p.add_argument("--ttl", type=parse_ttl, default=3600, help="1m to 24h (default 1h)")
+    p.add_argument("--max-uses", type=int, default=1)
+    p.add_argument("--allow-reclaim", action="store_true")
+    p.add_argument("--expect-product-uuid")
+    p.add_argument("--expect-serial")
+    p.add_argument("--expect-mac")
+    p.add_argument("--expect-gpu-uuid")
+    p.add_argument("--hosted", choices=["kubernetes"])
+    p.add_argument("--role", default="node", choices=["node", "site", "ramdisk"])
+    p.add_argument("--key", help="idempotency key")
+    p.add_argument("--out", help="write the token to this new 0600 file instead of printing it")
+    p = verb(jt, "list", cmd_tokens_list, client=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--pool", required=True)
+    p.add_argument("--all", action="store_true", help="include revoked, expired and used-up tokens")
+    p.add_argument("--page-size", type=int, default=100)
+    p.add_argument("--page-token")
+    p = verb(jt, "revoke", cmd_tokens_revoke, client=True)
+    p.add_argument("token_id")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--pool", required=True)
+
+    ev = sub.add_parser("events").add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    p = verb(ev, "list", cmd_events_list, client=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--type")
+    p.add_argument("--since", help="unix milliseconds")
+
+    nd = sub.add_parser("nodes").add_subparsers(dest="verb", required=True, parser_class=_Parser)
+    p = verb(nd, "list", cmd_nodes_list, client=True)
+    p.add_argument("--tenant", required=True)
+    return top
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        code: int = args.fn(args)
+    except ControlError as exc:
+        print(f"better-compute: {exc.code}: {exc.message}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""The control plane's one error hierarchy.
+
+::
+
+    ControlError(code, message)     an answer the API or gateway sends as {"code", "message"}
+    ├── Refused                     a join or renewal refusal: the client sees only the
+    │                               uniform ACCESS_DENIED text; ``reason`` stays server-side
+    └── StoreConflict               a uniqueness race in the store (mapped to CONFLICT)
+
+Only ``code`` and ``message`` ever leave the process; an exception's own text, a
+traceback or a database error never does.
+"""
+
+from __future__ import annotations
+
+
+class ControlError(Exception):
+    """Raised to answer a request with ``code`` and a message fit for the caller."""
+
+    def __init__(self, code: str, message: str, *, retry_after_ms: int | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retry_after_ms = retry_after_ms
+
+
+def invalid(message: str) -> ControlError:
+    return ControlError("INVALID_ARGUMENT", message)
+
+
+def not_found(what: str = "not found") -> ControlError:
+    return ControlError("NOT_FOUND", what)
+
+
+class Refused(ControlError):
+    """Raised inside Join or Renew; the caller sees ``ACCESS_DENIED`` and ``public``.
+
+    ``reason`` is ``<attestor>:<reason>`` (or a renew reason) and goes only to the
+    ``security.*.refused`` event; ``tenant_id`` is set once the caller proved a secret.
+    """
+
+    def __init__(self, public: str, reason: str, tenant_id: str | None = None) -> None:
+        super().__init__("ACCESS_DENIED", public)
+        self.reason = reason
+        self.tenant_id = tenant_id
+
+
+class StoreConflict(Exception):
+    """Raised by the store when a unique constraint is violated."""

@@ -1,0 +1,311 @@
+"""A small HTTP/1.1 server on trio + h11, optionally over TLS.
+
+Each connection does its TLS handshake here, so the handler sees the client
+certificate (``Request.peer_cert_der``). Keep-alive, a request size limit,
+chunked streaming responses (the session stream), and errors in the protocol's
+``{"code", "message"}`` form. A handler's exception is logged and answered with
+a 500 that never carries its text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any
+from urllib.parse import parse_qsl
+
+import h11
+import trio
+
+from bcd.wire import STATUS, dumps
+
+logger = logging.getLogger("control.http")
+
+HANDSHAKE_TIMEOUT = 10.0
+IDLE_TIMEOUT = 60.0  # keep-alive: wait this long for the next request
+REQUEST_TIMEOUT = 30.0  # from a request's first byte to its last
+WRITE_TIMEOUT = 30.0  # a client that stops reading is dropped after this
+LINGER_TIMEOUT = 2.0  # after a refusal, drain (and drop) input this long before closing
+_LINGER_BYTES = 1 << 20
+_RECV = 64 * 1024
+_MAX_HEAD = 16 * 1024
+_GONE = (trio.BrokenResourceError, trio.ClosedResourceError, trio.TooSlowError)
+
+
+@dataclass
+class Request:
+    method: str
+    path: str  # as sent, not percent-decoded
+    query: dict[str, str]
+    headers: dict[str, str] = field(repr=False)  # lower-case names
+    body: bytes = field(repr=False)
+    peer_cert_der: bytes | None = field(repr=False)
+    remote: str
+
+
+@dataclass
+class Response:
+    status: int
+    body: bytes = b""
+    headers: list[tuple[str, str]] = field(default_factory=list)
+    stream: AsyncIterator[bytes] | None = None  # sent chunked, chunk by chunk
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+_JSON = ("content-type", "application/json")
+
+
+def json_response(status: int, obj: object, headers: Sequence[tuple[str, str]] = ()) -> Response:
+    return Response(status, dumps(obj), [_JSON, *headers])
+
+
+def error_response(
+    code: str,
+    message: str,
+    extra_headers: Sequence[tuple[str, str]] = (),
+    *,
+    status: int | None = None,
+) -> Response:
+    """``{"code", "message"}`` with the code's status from bcd.wire.STATUS."""
+    return json_response(
+        status or STATUS.get(code, 500), {"code": code, "message": message}, extra_headers
+    )
+
+
+def _internal_error() -> Response:
+    return error_response("UNAVAILABLE", "internal error", status=500)
+
+
+async def serve(
+    handler: Handler,
+    host: str,
+    port: int,
+    *,
+    ssl_context: ssl.SSLContext | None = None,
+    max_body: int = 64 * 1024,
+    task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+) -> None:
+    """Serve ``handler`` on host:port (0: any free port) until cancelled.
+
+    ``task_status.started`` reports the port actually bound.
+    """
+    listeners = await trio.open_tcp_listeners(port, host=host)
+    if port == 0 and len(listeners) > 1:  # each family got its own free port: keep one
+        for extra in listeners[1:]:
+            await extra.aclose()
+        listeners = listeners[:1]
+    actual: int = listeners[0].socket.getsockname()[1]
+    task_status.started(actual)
+    await trio.serve_listeners(partial(_connection, handler, ssl_context, max_body), listeners)
+
+
+def _remote(tcp: trio.SocketStream) -> str:
+    try:
+        addr: Any = tcp.socket.getpeername()
+    except OSError:
+        return "unknown"
+    host, port = str(addr[0]), addr[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+async def _connection(
+    handler: Handler, ssl_context: ssl.SSLContext | None, max_body: int, tcp: trio.SocketStream
+) -> None:
+    remote = _remote(tcp)
+    stream: trio.abc.Stream = tcp
+    try:
+        peer_der: bytes | None = None
+        if ssl_context is not None:
+            tls = trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=True)
+            stream = tls
+            try:
+                with trio.fail_after(HANDSHAKE_TIMEOUT):
+                    await tls.do_handshake()
+            except (*_GONE, OSError) as exc:
+                logger.debug("TLS handshake from %s failed: %r", remote, exc)
+                return
+            peer_der = tls.getpeercert(binary_form=True)
+        await _serve_http(stream, handler, max_body, peer_der, remote)
+    except _GONE:
+        pass  # the client went away or was too slow
+    except Exception:
+        logger.exception("connection from %s failed", remote)
+    finally:
+        with trio.move_on_after(1), contextlib.suppress(*_GONE, OSError):
+            await stream.aclose()
+
+
+async def _write(stream: trio.abc.Stream, data: bytes) -> None:
+    with trio.fail_after(WRITE_TIMEOUT):
+        await stream.send_all(data)
+
+
+async def _serve_http(
+    stream: trio.abc.Stream,
+    handler: Handler,
+    max_body: int,
+    peer_der: bytes | None,
+    remote: str,
+) -> None:
+    conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+    while True:
+        with trio.CancelScope(deadline=trio.current_time() + IDLE_TIMEOUT) as scope:
+            got = await _read_request(stream, conn, scope, max_body, peer_der, remote)
+        if got is None or scope.cancelled_caught:
+            return
+        if isinstance(got, Response):  # refused before the handler: answer and hang up
+            await _respond(stream, conn, "GET", got)
+            await _linger(stream)
+            return
+        try:
+            response = await handler(got)
+        except Exception:
+            logger.exception("handler failed on %s %s from %s", got.method, got.path, remote)
+            response = _internal_error()
+        await _respond(stream, conn, got.method, response)
+        if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
+            return
+        conn.start_next_cycle()
+
+
+async def _read_request(
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    scope: trio.CancelScope,
+    max_body: int,
+    peer_der: bytes | None,
+    remote: str,
+) -> Request | Response | None:
+    """The next request, a refusal to send, or None when the client is done."""
+
+    async def next_event() -> object:
+        while True:
+            event = conn.next_event()
+            if event is not h11.NEED_DATA:
+                return event
+            data = bytes(await stream.receive_some(_RECV))
+            if data:  # the request has begun: it gets REQUEST_TIMEOUT from here
+                scope.deadline = min(scope.deadline, trio.current_time() + REQUEST_TIMEOUT)
+            conn.receive_data(data)
+
+    too_large = error_response(
+        "INVALID_ARGUMENT", "request body too large", [("connection", "close")], status=413
+    )
+    try:
+        head = await next_event()
+        if not isinstance(head, h11.Request):
+            return None  # ConnectionClosed
+        headers: dict[str, str] = {}
+        for raw_name, raw_value in head.headers:
+            name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
+            headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        if int(headers.get("content-length", "0").split(",")[0]) > max_body:
+            return too_large
+        if conn.they_are_waiting_for_100_continue:
+            go_on = h11.InformationalResponse(status_code=100, headers=[])
+            await _write(stream, _send(conn, go_on))
+        body = bytearray()
+        while not isinstance(event := await next_event(), h11.EndOfMessage):
+            if not isinstance(event, h11.Data):
+                return None
+            body += event.data
+            if len(body) > max_body:
+                return too_large
+        path, _, query = head.target.decode("ascii").partition("?")
+        method = head.method.decode("ascii")
+    except (h11.RemoteProtocolError, ValueError):
+        if conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+            return None
+        return error_response(
+            "INVALID_ARGUMENT", "malformed HTTP request", [("connection", "close")]
+        )
+    return Request(
+        method=method,
+        path=path,
+        query=dict(parse_qsl(query, keep_blank_values=True)),
+        headers=headers,
+        body=bytes(body),
+        peer_cert_der=peer_der,
+        remote=remote,
+    )
+
+
+def _send(conn: h11.Connection, event: h11.Event) -> bytes:
+    return conn.send(event) or b""
+
+
+_FRAMING = frozenset({"content-length", "transfer-encoding"})
+
+
+async def _respond(
+    stream: trio.abc.Stream, conn: h11.Connection, method: str, response: Response
+) -> None:
+    headers = [(n, v) for n, v in response.headers if n.lower() not in _FRAMING]
+    bodiless = method == "HEAD" or response.status in (204, 304)
+    if response.stream is None and response.status not in (204, 304):
+        headers.append(("content-length", str(len(response.body))))
+    data = _send(conn, h11.Response(status_code=response.status, headers=headers))
+    if response.stream is None or bodiless:
+        if response.stream is not None:
+            await _aclose(response.stream)
+        if response.body and not bodiless:
+            data += _send(conn, h11.Data(data=response.body))
+        await _write(stream, data + _send(conn, h11.EndOfMessage()))
+        return
+    await _write(stream, data)
+    await _stream_body(stream, conn, response.stream)
+
+
+async def _stream_body(
+    stream: trio.abc.Stream, conn: h11.Connection, chunks: AsyncIterator[bytes]
+) -> None:
+    """Send each chunk as it comes; stop when the client goes away."""
+
+    async def watch_peer(cancel: trio.CancelScope) -> None:
+        # The client sends nothing more on a streamed exchange; EOF means it left.
+        try:
+            while data := await stream.receive_some(_RECV):
+                conn.receive_data(bytes(data))
+                if len(conn.trailing_data[0]) > _MAX_HEAD:
+                    break
+        except (*_GONE, OSError, h11.RemoteProtocolError):
+            pass
+        cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch_peer, nursery.cancel_scope)
+        try:
+            async for chunk in chunks:
+                if chunk:
+                    await _write(stream, _send(conn, h11.Data(data=chunk)))
+            await _write(stream, _send(conn, h11.EndOfMessage()))
+        except (*_GONE, OSError):
+            pass  # the client went away or stopped reading
+        except Exception:
+            logger.exception("streamed response failed")
+        finally:
+            nursery.cancel_scope.cancel()
+            await _aclose(chunks)
+
+
+async def _aclose(chunks: AsyncIterator[bytes]) -> None:
+    aclose = getattr(chunks, "aclose", None)
+    if aclose is None:
+        return
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        try:
+            await aclose()
+        except Exception:
+            logger.exception("closing a streamed response failed")
+
+
+async def _linger(stream: trio.abc.Stream) -> None:
+    """Read and drop what the client still sends, so it sees our answer, not a reset."""
+    with trio.move_on_after(LINGER_TIMEOUT), contextlib.suppress(*_GONE, OSError):
+        total = 0
+        while total < _LINGER_BYTES and (data := await stream.receive_some(_RECV)):
+            total += len(data)

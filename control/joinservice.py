@@ -1,0 +1,380 @@
+"""JoinService.Join: one database transaction, in the seed's order.
+
+1. open the seal (typ, kid, CSR binding, iat window) — the attestor's server half
+   then locks the token row, checks the secret in constant time, revocation, expiry
+   at ``compute_now()``, uses left and role, and consumes one use;
+2. ``expect`` (a mismatch consumes nothing: every refusal rolls the transaction
+   back), the placeholder-hardware rule, the reclaim rules, the pool (runs bcd,
+   belongs to the token's tenant, lists the attestor when its policy says which);
+3. the node row (``adopting``, identity generation 1, or the reclaimed node with
+   its generation raised), ``node.joined`` event and audit row, the certificate
+   recorded as a node_certs row, the signed response.
+
+Every refusal leaves as the same ``ACCESS_DENIED`` / ``Join refused``; its reason
+goes only to a ``security.join.refused`` event, written after the rollback.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import hardware, pki, wire
+from bcd.plugins import JOIN_TOKEN, Admit, Plugins, Refuse, TokenRecord, canonical_name
+from control import events, tenancy
+from control.errors import ControlError, Refused, StoreConflict, invalid
+from control.ids import new_id
+from control.store import Store, Tx
+
+log = logging.getLogger("control.joinservice")
+
+JOIN_REFUSED = "Join refused"
+CONCURRENT = "This machine joined concurrently; retry"
+CERT_TTL_MAX_S = 86_400
+RAMDISK_TTL_MAX_S = 7_200
+
+IssueLeaf = Callable[
+    [ec.EllipticCurvePublicKey, pki.SpiffeId, str, tuple[str, ...], datetime, int],
+    x509.Certificate,
+]
+
+
+@dataclass(frozen=True)
+class JoinCrypto:
+    """pkiJoinCrypto: what JoinService needs of the PKI (the seed's ``pki.join``)."""
+
+    trust_domain: str
+    signing_key: ec.EllipticCurvePrivateKey
+    encryption_key: ec.EllipticCurvePrivateKey
+    issue_leaf: IssueLeaf
+    chain_tail_pem: str
+    bundle_pem: str
+    trust_version: int
+    cert_ttl_s: int = CERT_TTL_MAX_S
+
+    @property
+    def encryption_pin(self) -> str:
+        return pki.spki_pin(self.encryption_key.public_key())
+
+
+class _Ctx:
+    """The ServerJoinContext lent to an attestor's server half."""
+
+    def __init__(self, tx: Tx, seal: wire.OpenedSeal | None) -> None:
+        self._tx = tx
+        self.now_ms = tx.now_ms()
+        self.seal = seal
+
+    def lock_join_token(self, token_id: str) -> TokenRecord | None:
+        row = self._tx.one(
+            "SELECT * FROM join_tokens WHERE id = ?" + self._tx.for_update, (token_id,)
+        )
+        if row is None:
+            return None
+        return TokenRecord(
+            token_id=row["id"],
+            tenant_id=row["tenant_id"],
+            pool_id=row["pool_id"],
+            site_id=row["site_id"],
+            role=row["role"],
+            secret_sha256=row["secret_sha256"],
+            uses_left=int(row["uses_left"]),
+            expires_at_ms=int(row["expires_at"]),
+            revoked=row["revoked_at"] is not None,
+            expect=json.loads(row["expect"]),
+            allow_reclaim=bool(row["allow_reclaim"]),
+            hosted=row["hosted"],
+        )
+
+    def consume_join_token(self, token_id: str) -> None:
+        changed = self._tx.execute(
+            "UPDATE join_tokens SET uses_left = uses_left - 1 WHERE id = ? AND uses_left > 0",
+            (token_id,),
+        )
+        if changed != 1:  # pragma: no cover - the row is locked and was checked
+            raise ControlError("CONFLICT", CONCURRENT)
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    request: wire.JoinRequest
+    attestor: str
+    csr_sha256: str
+    hw: hardware.HardwareKey
+    seal: wire.OpenedSeal | None
+    seal_error: str | None
+
+
+class JoinService:
+    def __init__(self, store: Store, crypto: JoinCrypto | None, plugins: Plugins) -> None:
+        self.store = store
+        self.crypto = crypto
+        self.plugins = plugins
+
+    def join(self, body: bytes) -> str:
+        """Judge one JoinRequest body; return the SignedResponse or raise ControlError."""
+        crypto = self.crypto
+        if crypto is None:
+            raise ControlError("INVALID_CONFIG", "JoinService has no pki.join configuration")
+        try:
+            request = wire.parse_join_request(wire.loads_object(body))
+        except wire.WireError as exc:
+            raise invalid(f"malformed join request: {exc}") from exc
+        attempt = self._prepare(request, crypto)
+        try:
+            with self.store.tx() as tx:
+                return self._admit(tx, attempt, crypto)
+        except Refused as refusal:
+            self._record_refusal(attempt, refusal)
+            raise
+        except StoreConflict as exc:
+            raise ControlError("CONFLICT", CONCURRENT) from exc
+
+    # --- steps ------------------------------------------------------------------
+
+    def _prepare(self, request: wire.JoinRequest, crypto: JoinCrypto) -> _Attempt:
+        seal, seal_error = None, None
+        if request.sealed_token is not None:
+            try:
+                seal = wire.open_seal(
+                    request.sealed_token, crypto.encryption_key, crypto.encryption_pin
+                )
+            except wire.WireError:
+                seal_error = "seal-invalid"
+        return _Attempt(
+            request=request,
+            attestor=canonical_name(request.attestor),
+            csr_sha256=pki.sha256_hex(request.csr_der),
+            hw=hardware.hardware_key(request.claims),
+            seal=seal,
+            seal_error=seal_error,
+        )
+
+    def _refuse(self, attempt: _Attempt, reason: str, tenant_id: str | None = None) -> Refused:
+        return Refused(JOIN_REFUSED, f"{attempt.attestor}:{reason}", tenant_id)
+
+    def _admit(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto) -> str:
+        request = attempt.request
+        now_ms = tx.now_ms()
+        if attempt.seal_error:
+            raise self._refuse(attempt, attempt.seal_error)
+        if attempt.seal is not None:
+            if attempt.seal.csr_sha256 != attempt.csr_sha256:
+                raise self._refuse(attempt, "seal-csr")
+            if abs(attempt.seal.iat * 1000 - now_ms) > wire.SEAL_MAX_SKEW_S * 1000:
+                raise self._refuse(attempt, "seal-stale")
+        if attempt.attestor not in self.plugins.names():
+            raise self._refuse(attempt, "attestor-unknown")
+        try:
+            verdict = self.plugins.server_verify(attempt.attestor, request, _Ctx(tx, attempt.seal))
+        except (ControlError, StoreConflict):
+            raise
+        except Exception:
+            log.exception("attestor %s failed", attempt.attestor)
+            raise self._refuse(attempt, "plugin-error") from None
+        if verdict is None:
+            raise self._refuse(attempt, "attestor-unknown")
+        if isinstance(verdict, Refuse):
+            raise self._refuse(attempt, verdict.reason, verdict.tenant_id)
+        return self._issue(tx, attempt, verdict, crypto)
+
+    def _issue(self, tx: Tx, attempt: _Attempt, admit: Admit, crypto: JoinCrypto) -> str:
+        request, hw, tenant = attempt.request, attempt.hw, admit.tenant_id
+        try:
+            csr = pki.parse_csr(request.csr_der)
+        except pki.PkiError:
+            raise self._refuse(attempt, "csr-invalid", tenant) from None
+        if admit.expect and not hardware.expect_matches(dict(admit.expect), request.claims):
+            raise self._refuse(attempt, "expect-mismatch", tenant)
+        placeholder = hw.hex is None or not hw.trusted or not hw.has_uuid_or_serial
+        if attempt.attestor == JOIN_TOKEN and placeholder and not admit.expect:
+            raise self._refuse(attempt, "placeholder-hardware", tenant)
+        pool = tx.one("SELECT * FROM pools WHERE id = ?", (admit.pool_id,))
+        if pool is None or pool["agent"] != "bcd":
+            raise self._refuse(attempt, "pool-agent", tenant)
+        if pool["tenant_id"] != tenant or pool["site_id"] != admit.site_id:
+            raise self._refuse(attempt, "pool-tenant", tenant)
+        policy = json.loads(pool["policy"])
+        allowed = policy.get("joinAttestors")
+        if isinstance(allowed, list) and attempt.attestor not in allowed:
+            raise self._refuse(attempt, "pool-attestor", tenant)
+        existing = None
+        if hw.trusted and hw.hex is not None:
+            existing = tx.one(
+                "SELECT * FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1"
+                + tx.for_update,
+                (hw.hex,),
+            )
+        role = self._cert_role(tx, admit, pool, existing)
+        if existing is not None:
+            same_home = (
+                existing["tenant_id"] == tenant
+                and existing["site_id"] == admit.site_id
+                and existing["pool_id"] == admit.pool_id
+                and existing["role"] in (admit.role, role)
+            )
+            if not (admit.allow_reclaim and same_home) or existing["retired_at"] is not None:
+                raise self._refuse(attempt, "reclaim", tenant)
+        if request.node_id is not None and (existing is None or existing["id"] != request.node_id):
+            raise self._refuse(attempt, "node-id", tenant)
+        now_ms = tx.now_ms()
+        if existing is None:
+            node_id = new_id("node")
+            generation = 1
+            tx.execute(
+                "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, "
+                "identity_generation, hardware_key, hardware_key_trusted, claims, attestor, "
+                "created_at, updated_at) VALUES (?, ?, ?, ?, ?, 'adopting', 1, ?, ?, ?, ?, ?, ?)",
+                (
+                    node_id,
+                    tenant,
+                    admit.site_id,
+                    admit.pool_id,
+                    role,
+                    hw.hex,
+                    1 if hw.trusted else 0,
+                    json.dumps(request.claims.to_json(), sort_keys=True),
+                    attempt.attestor,
+                    now_ms,
+                    now_ms,
+                ),
+            )
+        else:
+            node_id = str(existing["id"])
+            generation = int(existing["identity_generation"]) + 1
+            tx.execute(
+                "UPDATE nodes SET identity_generation = ?, state = 'adopting', role = ?, "
+                "claims = ?, attestor = ?, updated_at = ? WHERE id = ?",
+                (
+                    generation,
+                    role,
+                    json.dumps(request.claims.to_json(), sort_keys=True),
+                    attempt.attestor,
+                    now_ms,
+                    node_id,
+                ),
+            )
+            revoke_node_certs(tx, tenant, node_id, "reclaimed")
+        spiffe = pki.SpiffeId(crypto.trust_domain, admit.site_id, node_id)
+        ttl = min(crypto.cert_ttl_s, RAMDISK_TTL_MAX_S if role == "ramdisk" else CERT_TTL_MAX_S)
+        now = datetime.fromtimestamp(now_ms / 1000, UTC)
+        leaf = crypto.issue_leaf(pki.csr_public_key(csr), spiffe, role, admit.statements, now, ttl)
+        info = pki.leaf_info(leaf)
+        der = leaf.public_bytes(serialization.Encoding.DER)
+        tx.execute(
+            "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, "
+            "statements, allowed_kinds, not_before, not_after, created_at) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (
+                info.serial_hex,
+                node_id,
+                generation,
+                role,
+                info.spki_sha256,
+                base64.b64encode(der).decode("ascii"),
+                json.dumps(list(info.statements)),
+                json.dumps(list(admit.allowed_kinds)),
+                int(info.not_before.timestamp() * 1000),
+                int(info.not_after.timestamp() * 1000),
+                now_ms,
+            ),
+        )
+        reclaim = existing is not None
+        payload = {
+            "nodeId": node_id,
+            "attestor": attempt.attestor,
+            "reclaim": reclaim,
+            "hardwareKeyTrusted": hw.trusted,
+            "certSerial": info.serial_hex,
+            "nodeKey": admit.node_key,
+            "poolId": admit.pool_id,
+            "siteId": admit.site_id,
+        }
+        events.publish(tx, tenant, "node.joined", payload)
+        events.audit(tx, tenant, "node.reclaimed" if reclaim else "node.joined", node_id, payload)
+        body = {
+            "kind": "joined",
+            "node_id": node_id,
+            "site_id": admit.site_id,
+            "role": role,
+            "trust_domain": crypto.trust_domain,
+            "chain": pki.cert_pem(leaf) + crypto.chain_tail_pem,
+            "bundle": crypto.bundle_pem,
+            "trust_version": crypto.trust_version,
+            "csr_sha256": attempt.csr_sha256,
+            "server_time": now_ms,
+            "identity_generation": generation,
+        }
+        return wire.sign_response(body, crypto.signing_key)
+
+    def _cert_role(
+        self, tx: Tx, admit: Admit, pool: Mapping[str, Any], existing: Mapping[str, Any] | None
+    ) -> str:
+        """``node-tenant`` for a hosted token unless the pool is platform-operated."""
+        if admit.role != "node" or admit.hosted is None:
+            return admit.role
+        return "node" if platform_operated(tx, pool) else "node-tenant"
+
+    def _record_refusal(self, attempt: _Attempt, refusal: Refused) -> None:
+        try:
+            with self.store.tx() as tx:
+                tenant = refusal.tenant_id or tenancy.root_tenant(tx)
+                if tenant is None:
+                    log.warning("join refused (%s) and no root tenant to tell", refusal.reason)
+                    return
+                events.publish_rate_limited(
+                    tx,
+                    tenant,
+                    "security.join.refused",
+                    f"join|{attempt.attestor}|{refusal.reason}",
+                    {
+                        "attestor": attempt.attestor,
+                        "reason": refusal.reason,
+                        "role": attempt.request.role,
+                        "csrSha256": attempt.csr_sha256,
+                        "hardwareKey": attempt.hw.hex,
+                    },
+                )
+        except Exception:  # the refusal itself must still reach the caller
+            log.exception("could not record a join refusal")
+
+
+def platform_operated(tx: Tx, pool: Mapping[str, Any]) -> bool:
+    """policy.kubernetes.platformOperated, and the platform owns the pool (seed)."""
+    policy = json.loads(pool["policy"])
+    kube = policy.get("kubernetes")
+    if not isinstance(kube, dict) or kube.get("platformOperated") is not True:
+        return False
+    site = tx.one("SELECT tenant_id, custom FROM sites WHERE id = ?", (pool["site_id"],))
+    if site is None or site["custom"] or site["tenant_id"] != pool["tenant_id"]:
+        return False
+    root = tenancy.root_tenant(tx)
+    return root is None or root == pool["tenant_id"]
+
+
+def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> int:
+    """Revoke every live certificate of a node, with a security.certificate-revoked event each."""
+    rows = tx.query(
+        "SELECT serial FROM node_certs WHERE node_id = ? AND revoked_at IS NULL", (node_id,)
+    )
+    for row in rows:
+        tx.execute(
+            "UPDATE node_certs SET revoked_at = ?, revoke_reason = ? WHERE serial = ?",
+            (tx.now_ms(), reason, row["serial"]),
+        )
+        events.publish(
+            tx,
+            tenant_id,
+            "security.certificate-revoked",
+            {"nodeId": node_id, "serial": row["serial"], "reason": reason},
+        )
+    return len(rows)

@@ -1,0 +1,121 @@
+"""``better-compute serve``: the tenant API and the gateway in one trio process."""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bcd import fs
+from bcd.plugins import load_plugins
+from control import pki
+from control.api import App
+from control.errors import ControlError
+from control.http import serve
+from control.joinservice import JoinCrypto, JoinService
+from control.store import open_store
+
+log = logging.getLogger("control.server")
+
+
+def join_crypto(loaded: pki.Pki) -> JoinCrypto:
+    return JoinCrypto(
+        trust_domain=loaded.trust_domain,
+        signing_key=loaded.join_signing_key,
+        encryption_key=loaded.join_encryption_key,
+        issue_leaf=functools.partial(pki.issue_node_leaf, loaded),
+        chain_tail_pem=loaded.chain_tail_pem(),
+        bundle_pem=loaded.bundle_pem(),
+        trust_version=loaded.trust_version,
+    )
+
+
+def _split(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ControlError("INVALID_ARGUMENT", f"listen address {listen!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def main(
+    *,
+    home: Path,
+    db_url: str,
+    api_listen: str,
+    gateway_listen: str,
+    gateway_san: str,
+    gateway_url: str | None,
+    ready_file: Path | None,
+    secret: bytes,
+) -> int:
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    pki_dir = home / "pki"
+    crypto: JoinCrypto | None = None
+    well_known_join: dict[str, Any] | None = None
+    try:
+        loaded = pki.load_pki(pki_dir, secret)
+        chain_pem, gw_key = pki.load_gateway(pki_dir, gateway_san, secret)
+    except pki.PkiSetupError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+    crypto = join_crypto(loaded)
+    well_known_join = dict(loaded.well_known_join())
+    node_ca_pem = loaded.chain_tail_pem()
+    ssl_ctx = pki.server_ssl_context(chain_pem, gw_key, client_ca_pem=node_ca_pem)
+    store = open_store(db_url)
+    store.migrate()
+    plugins = load_plugins()
+    for failure in plugins.failures:
+        log.warning("attestor plugin %s did not load: %s", failure.name, failure.error)
+    gateway_doc = None
+    if gateway_url:
+        gateway_doc = {
+            "url": gateway_url,
+            "serverName": gateway_san,
+            "servingCaPin": loaded.pins()["serving_ca_spki_pin"],
+        }
+    app = App(
+        store=store,
+        joinservice=JoinService(store, crypto, plugins),
+        well_known_join=well_known_join,
+        gateway=gateway_doc,
+        limiter=trio.CapacityLimiter(8),
+    )
+    api_host, api_port = _split(api_listen)
+    gw_host, gw_port = _split(gateway_listen)
+
+    async def run() -> None:
+        async with trio.open_nursery() as nursery:
+            api_bound = await nursery.start(functools.partial(serve, app.api, api_host, api_port))
+            gw_bound = await nursery.start(
+                functools.partial(serve, app.gateway_handler, gw_host, gw_port, ssl_context=ssl_ctx)
+            )
+            ready = {
+                "api": f"http://{api_host}:{api_bound}",
+                "gateway": f"https://{gw_host}:{gw_bound}",
+                "gateway_port": gw_bound,
+                "api_port": api_bound,
+            }
+            if ready_file is not None:
+                fs.atomic_write(ready_file, json.dumps(ready).encode(), 0o644)
+            log.info("serving the API on %s and the gateway on %s", ready["api"], ready["gateway"])
+            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for _ in signals:
+                    log.info("shutting down")
+                    nursery.cancel_scope.cancel()
+                    break
+
+    try:
+        trio.run(run)
+    finally:
+        store.close()
+    return 0

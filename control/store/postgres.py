@@ -1,0 +1,93 @@
+"""The PostgreSQL backend (psycopg 3, sync, in worker threads; a connection pool)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import psycopg
+import psycopg.errors
+from psycopg.rows import dict_row
+from psycopg_pool import ConnectionPool
+
+from control.errors import StoreConflict
+from control.store.base import Params, Row, Store, Tx
+
+_NOW = "SELECT (extract(epoch from now()) * 1000)::bigint AS now"
+_PLACEHOLDER = re.compile(r"\?")
+_MIGRATION_LOCK = 7_361_002
+
+
+def _sql(sql: str) -> str:
+    return _PLACEHOLDER.sub("%s", sql.replace("%", "%%"))
+
+
+class _PgTx(Tx):
+    for_update = " FOR UPDATE"
+
+    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+        self._conn = conn
+        self._now: int | None = None
+
+    def execute(self, sql: str, params: Params = ()) -> int:
+        try:
+            with self._conn.cursor() as cur:
+                cur.execute(_sql(sql), tuple(params))
+                return cur.rowcount
+        except psycopg.errors.UniqueViolation as exc:
+            raise StoreConflict("unique constraint") from exc
+
+    def query(self, sql: str, params: Params = ()) -> list[Row]:
+        with self._conn.cursor() as cur:
+            cur.execute(_sql(sql), tuple(params))
+            return [dict(r) for r in cur.fetchall()]
+
+    def now_ms(self) -> int:
+        if self._now is None:
+            row = self.one(_NOW)
+            assert row is not None
+            self._now = int(row["now"])
+        return self._now
+
+
+def _configure(conn: psycopg.Connection[Any]) -> None:
+    """Cancelling a trio task does not stop a running query: bound every statement."""
+    conn.execute("SET statement_timeout = 30000")
+    conn.execute("SET lock_timeout = 30000")
+    conn.commit()
+
+
+class PostgresStore(Store):
+    dialect = "postgres"
+
+    def __init__(self, url: str, *, max_size: int = 8) -> None:
+        self.url = url
+        self._pool: ConnectionPool = ConnectionPool(
+            url,
+            min_size=1,
+            max_size=max_size,
+            kwargs={"row_factory": dict_row, "autocommit": False},
+            configure=_configure,
+            open=True,
+        )
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[Tx]:
+        with self._pool.connection() as conn:
+            try:
+                yield _PgTx(conn)
+            except BaseException:
+                conn.rollback()
+                raise
+            try:
+                conn.commit()
+            except psycopg.errors.UniqueViolation as exc:
+                raise StoreConflict("unique constraint") from exc
+
+    def _lock_migrations(self, tx: Tx) -> None:
+        tx.query("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+
+    def close(self) -> None:
+        self._pool.close()

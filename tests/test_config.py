@@ -1,0 +1,359 @@
+"""config.toml: loading, every error naming its key, rendering that round-trips."""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bcd import pki
+from bcd.config import (
+    DEFAULT_DATA_DIR,
+    Config,
+    HelperConfig,
+    TpmConfig,
+    gateway_host_port,
+    join_encryption_jwk_path,
+    load_config,
+    parse_config,
+    render_config,
+)
+from bcd.errors import ConfigError
+from tests.certs import new_id
+
+SITE = new_id("site")
+PIN_A = pki.spki_pin(pki.generate_key().public_key())
+PIN_B = pki.spki_pin(pki.generate_key().public_key())
+PIN_C = pki.spki_pin(pki.generate_key().public_key())
+CFG_PATH = Path("/etc/bcd/config.toml")
+
+
+def minimal(**overrides: str) -> str:
+    values = {
+        "gateway_url": '"https://gw.eu.example.com"',
+        "site": f'"{SITE}"',
+        "serving_ca_spki_pin": f'"{PIN_A}"',
+        "join_signing_key_pin": f'"{PIN_B}"',
+        "join_encryption_key_pin": f'"{PIN_C}"',
+    }
+    values.update(overrides)
+    return "".join(f"{k} = {v}\n" for k, v in values.items() if v != "DROP")
+
+
+def error_of(text: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(text, CFG_PATH)
+    return str(info.value)
+
+
+# --- loading ----------------------------------------------------------------------
+
+
+def test_minimal_config_has_defaults() -> None:
+    cfg = parse_config(minimal(), CFG_PATH)
+    assert cfg == Config(
+        path=CFG_PATH,
+        gateway_url="https://gw.eu.example.com",
+        site=SITE,
+        serving_ca_spki_pin=PIN_A,
+        join_signing_key_pin=PIN_B,
+        join_encryption_key_pin=PIN_C,
+        server_name="gw.eu.example.com",
+        data_dir=DEFAULT_DATA_DIR,
+        helper=None,
+        tpm=TpmConfig(mode="auto", tcti="device:/dev/tpmrm0"),
+    )
+    assert gateway_host_port(cfg) == ("gw.eu.example.com", 443)
+    assert join_encryption_jwk_path(cfg) == Path("/etc/bcd/join-encryption.jwk")
+
+
+def test_full_config() -> None:
+    text = minimal(gateway_url='"https://gw.example.com:8443/"') + (
+        'server_name = "gateway.internal"\n'
+        'data_dir = "/srv/bcd"\n'
+        "[helper]\n"
+        'user = "bcd-node"\n'
+        'socket = "/run/bcd/h.sock"\n'
+        "[tpm]\n"
+        'mode = "required"\n'
+        'tcti = "device:/dev/tpm0"\n'
+    )
+    cfg = parse_config(text, CFG_PATH)
+    assert cfg.gateway_url == "https://gw.example.com:8443"
+    assert gateway_host_port(cfg) == ("gw.example.com", 8443)
+    assert cfg.server_name == "gateway.internal"
+    assert cfg.data_dir == Path("/srv/bcd")
+    assert cfg.helper == HelperConfig(
+        user="bcd-node",
+        socket=Path("/run/bcd/h.sock"),
+        hostconfig_dir=HelperConfig().hostconfig_dir,
+    )
+    assert cfg.tpm == TpmConfig(mode="required", tcti="device:/dev/tpm0")
+
+
+def test_empty_helper_table_turns_the_helper_on() -> None:
+    cfg = parse_config(minimal() + "[helper]\n", CFG_PATH)
+    assert cfg.helper == HelperConfig()
+
+
+def test_ipv6_gateway() -> None:
+    cfg = parse_config(minimal(gateway_url='"https://[2001:db8::1]:9443"'), CFG_PATH)
+    assert gateway_host_port(cfg) == ("2001:db8::1", 9443)
+    assert cfg.server_name == "2001:db8::1"
+
+
+def test_load_config_reads_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(minimal())
+    cfg = load_config(path)
+    assert cfg.path == path
+    assert join_encryption_jwk_path(cfg) == tmp_path / "join-encryption.jwk"
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError, match=r"^no configuration at .*nope\.toml; "):
+        load_config(path)
+
+
+def test_directory_instead_of_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="directory"):
+        load_config(tmp_path)
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    path = tmp_path / "config.toml"
+    path.write_bytes(b'site = "\xff"\n')
+    with pytest.raises(ConfigError, match="UTF-8"):
+        load_config(path)
+
+
+# --- errors name the file and the key ---------------------------------------------
+
+
+def test_toml_syntax_error() -> None:
+    message = error_of(minimal() + "this is not toml\n")
+    assert message.startswith(f"{CFG_PATH}: not valid TOML")
+
+
+def test_unknown_top_level_key() -> None:
+    assert error_of(minimal() + 'gatway_url = "x"\n') == f'{CFG_PATH}: unknown key "gatway_url"'
+
+
+def test_unknown_key_in_tables() -> None:
+    assert error_of(minimal() + '[helper]\nusr = "bcd"\n') == (
+        f'{CFG_PATH}: unknown key "helper.usr"'
+    )
+    assert error_of(minimal() + '[tpm]\nmod = "off"\n') == f'{CFG_PATH}: unknown key "tpm.mod"'
+    assert error_of(minimal() + "[extra]\n") == f'{CFG_PATH}: unknown key "extra"'
+
+
+@pytest.mark.parametrize(
+    "key",
+    [
+        "gateway_url",
+        "site",
+        "serving_ca_spki_pin",
+        "join_signing_key_pin",
+        "join_encryption_key_pin",
+    ],
+)
+def test_missing_required_key(key: str) -> None:
+    assert error_of(minimal(**{key: "DROP"})) == f'{CFG_PATH}: missing key "{key}"'
+
+
+@pytest.mark.parametrize(
+    "key", ["serving_ca_spki_pin", "join_signing_key_pin", "join_encryption_key_pin"]
+)
+def test_malformed_pin_names_the_pin(key: str) -> None:
+    message = error_of(minimal(**{key: '"sha256/short"'}))
+    assert message.startswith(f'{CFG_PATH}: "{key}" is malformed')
+    message = error_of(minimal(**{key: '"' + PIN_A.replace("sha256/", "sha1/") + '"'}))
+    assert f'"{key}"' in message
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        (minimal(gateway_url="443"), "gateway_url"),
+        (minimal(site="1"), "site"),
+        (minimal(serving_ca_spki_pin="[]"), "serving_ca_spki_pin"),
+        (minimal() + "data_dir = 5\n", "data_dir"),
+        (minimal() + "server_name = true\n", "server_name"),
+        (minimal() + 'helper = "yes"\n', "helper"),
+        (minimal() + "tpm = 1\n", "tpm"),
+        (minimal() + "[helper]\nuser = 1\n", "helper.user"),
+        (minimal() + "[helper]\nsocket = []\n", "helper.socket"),
+        (minimal() + "[helper]\nhostconfig_dir = 2024-01-01\n", "helper.hostconfig_dir"),
+        (minimal() + "[tpm]\nmode = 0\n", "tpm.mode"),
+        (minimal() + "[tpm]\ntcti = {}\n", "tpm.tcti"),
+    ],
+)
+def test_wrong_type_names_the_key(text: str, key: str) -> None:
+    message = error_of(text)
+    assert message.startswith(f'{CFG_PATH}: "{key}"'), message
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ('"http://gw.example.com"', "https://"),
+        ('"gw.example.com"', "https://"),
+        ('"https://"', "https://host"),
+        ('"https://gw.example.com/api"', "no path"),
+        ('"https://gw.example.com?x=1"', "no path"),
+        ('"https://user@gw.example.com"', "https://host"),
+        ('"https://gw.example.com:0"', "port"),
+        ('"https://gw.example.com:70000"', "port"),
+        ('"https://gw.example.com:x"', "https://host"),
+        ('"https://gw example.com"', "https://host"),
+        ('"https://[zz::1]"', "https://host"),
+        ('"https://-bad-.example"', "https://host"),
+    ],
+)
+def test_bad_gateway_url(value: str, fragment: str) -> None:
+    message = error_of(minimal(gateway_url=value))
+    assert message.startswith(f'{CFG_PATH}: "gateway_url"'), message
+    assert fragment in message
+
+
+@pytest.mark.parametrize(
+    ("extra", "key"),
+    [
+        ('data_dir = "relative/dir"\n', "data_dir"),
+        ('server_name = "not a host"\n', "server_name"),
+        ('[tpm]\nmode = "sometimes"\n', "tpm.mode"),
+        ('[helper]\nuser = "bad user"\n', "helper.user"),
+        ('[helper]\nsocket = "helper.sock"\n', "helper.socket"),
+        ('[tpm]\ntcti = ""\n', "tpm.tcti"),
+    ],
+)
+def test_bad_values_name_the_key(extra: str, key: str) -> None:
+    assert error_of(minimal() + extra).startswith(f'{CFG_PATH}: "{key}"')
+
+
+def test_bad_site_id() -> None:
+    assert error_of(minimal(site='"site_x"')).startswith(f'{CFG_PATH}: "site"')
+
+
+# --- rendering --------------------------------------------------------------------
+
+
+def test_render_minimal_round_trip() -> None:
+    cfg = parse_config(minimal(), CFG_PATH)
+    text = render_config(cfg)
+    assert parse_config(text, CFG_PATH) == cfg
+    assert "server_name" not in text
+    assert "[tpm]" not in text
+
+
+def test_render_full_round_trip() -> None:
+    cfg = Config(
+        path=CFG_PATH,
+        gateway_url="https://[2001:db8::1]:8443",
+        site=SITE,
+        serving_ca_spki_pin=PIN_A,
+        join_signing_key_pin=PIN_B,
+        join_encryption_key_pin=PIN_C,
+        server_name="gw.example.com",
+        data_dir=Path('/srv/odd "dir"\\ü'),
+        helper=HelperConfig(
+            user="bcd", socket=Path("/run/x\tsock"), hostconfig_dir=Path("/var/lib/hc")
+        ),
+        tpm=TpmConfig(mode="off", tcti='swtpm:host=127.0.0.1,port=2321 "\x7f"'),
+    )
+    assert parse_config(render_config(cfg), CFG_PATH) == cfg
+
+
+@settings(max_examples=50, deadline=None)
+@given(
+    port=st.none() | st.integers(1, 65535),
+    host=st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9](\.[a-z]{2,5}){0,2}", fullmatch=True),
+    data_dir=st.text(min_size=1).map(lambda s: "/" + s.replace("\0", "")),
+    helper=st.booleans(),
+    mode=st.sampled_from(["auto", "off", "required"]),
+    tcti=st.text(min_size=1),
+)
+def test_render_round_trip_property(
+    port: int | None, host: str, data_dir: str, helper: bool, mode: str, tcti: str
+) -> None:
+    url = f"https://{host}" + (f":{port}" if port else "")
+    cfg = Config(
+        path=CFG_PATH,
+        gateway_url=url,
+        site=SITE,
+        serving_ca_spki_pin=PIN_A,
+        join_signing_key_pin=PIN_B,
+        join_encryption_key_pin=PIN_C,
+        server_name=host,
+        data_dir=Path(data_dir),
+        helper=HelperConfig() if helper else None,
+        tpm=TpmConfig(mode=mode, tcti=tcti),  # type: ignore[arg-type]
+    )
+    try:
+        text = render_config(cfg)
+    except UnicodeEncodeError:  # pragma: no cover - lone surrogates cannot be UTF-8
+        return
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
+        return
+    assert parse_config(text, CFG_PATH) == cfg
+
+
+# --- parsing never raises anything but ConfigError -------------------------------
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text())
+def test_parse_config_raises_only_config_error(text: str) -> None:
+    with contextlib.suppress(ConfigError):
+        parse_config(text, CFG_PATH)
+
+
+_VALUES = st.sampled_from(
+    [
+        '"x"',
+        "1",
+        "true",
+        "[]",
+        "{}",
+        '"https://a.b"',
+        f'"{PIN_A}"',
+        f'"{SITE}"',
+        '"/abs"',
+        "1979-05-27T07:32:00Z",
+        "inf",
+        '"https://[::1]:1"',
+    ]
+)
+_KEYS = st.sampled_from(
+    [
+        "gateway_url",
+        "site",
+        "serving_ca_spki_pin",
+        "join_signing_key_pin",
+        "join_encryption_key_pin",
+        "server_name",
+        "data_dir",
+        "helper",
+        "tpm",
+        "helper.user",
+        "helper.socket",
+        "tpm.mode",
+        "tpm.tcti",
+        "other",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.dictionaries(_KEYS, _VALUES, max_size=12))
+def test_parse_config_structured_inputs_raise_only_config_error(doc: dict[str, str]) -> None:
+    text = "".join(f"{k} = {v}\n" for k, v in doc.items())
+    try:
+        cfg = parse_config(text, CFG_PATH)
+    except ConfigError:
+        return
+    assert parse_config(render_config(cfg), CFG_PATH) == cfg
