@@ -268,11 +268,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     checks = doctor.run_checks(Path(args.config), _now())
     plugins = load_plugins()
-    if plugins.failures:
-        broken = "; ".join(f"{f.name} did not load ({f.error})" for f in plugins.failures)
-        checks.append(doctor.Check("plugins", "warn", f"attestor plugins: {broken}"))
-    else:
-        checks.append(doctor.Check("plugins", "ok", "attestors: " + ", ".join(plugins.names())))
+    checks.append(doctor.plugins_check(plugins))
     print(doctor.render_json(checks) if args.json else doctor.render_text(checks))
     return doctor.exit_code(checks)
 

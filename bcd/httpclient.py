@@ -20,6 +20,7 @@ import h11
 import trio
 
 from bcd.errors import TransportError
+from bcd.tls import os_reason
 
 MAX_LINE = 64 * 1024
 _RECV = 64 * 1024
@@ -222,7 +223,7 @@ async def fetch_url(
     except trio.TooSlowError as exc:
         raise TransportError(f"cannot reach {where}: timed out") from exc
     except OSError as exc:
-        raise TransportError(f"cannot reach {where}: {exc.strerror or type(exc).__name__}") from exc
+        raise TransportError(f"cannot reach {where}: {os_reason(exc)}") from exc
     stream: trio.abc.Stream = tcp
     try:
         if parts.scheme == "https":

@@ -157,9 +157,7 @@ class AttestorSpec:
         """Return the names of the attestors this plugin provides."""
 
     @hookspec(firstresult=True)
-    def bcd_node_evidence(
-        self, attestor: str, ctx: NodeJoinContext
-    ) -> NodeEvidence | None:
+    def bcd_node_evidence(self, attestor: str, ctx: NodeJoinContext) -> NodeEvidence | None:
         """Node half: build the evidence for a join with ``attestor``.
 
         Return None if ``attestor`` is not yours. Raise ``bcd.errors.BcdError`` with a

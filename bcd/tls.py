@@ -24,13 +24,23 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from bcd import pki
-from bcd.errors import TransportError
+from bcd.errors import PeerVerificationError, TransportError
 
 _ENCODING_DER = 2  # _ssl.ENCODING_DER, for the 3.11 private Certificate objects
 _MAX_CHAIN = 8
 _NOT_PINNED = (
     "the gateway's certificate does not chain to the pinned serving CA (serving_ca_spki_pin)"
 )
+
+
+def os_reason(exc: OSError) -> str:
+    """A short reason for a failed connect (trio groups the per-address errors)."""
+    cause = exc.__cause__
+    if isinstance(cause, BaseExceptionGroup):
+        for err in cause.exceptions:
+            if isinstance(err, OSError) and (err.errno or err.strerror):
+                return os.strerror(err.errno) if err.errno else str(err.strerror)
+    return str(exc.strerror or exc or type(exc).__name__)
 
 
 def _subject(name: str) -> x509.DNSName | x509.IPAddress:
@@ -93,17 +103,17 @@ def verify_server_chain(chain_der: list[bytes], server_name: str, pin: str, now:
     except TransportError:
         raise
     except Exception as exc:  # a certificate cryptography could not take apart
-        raise TransportError(_NOT_PINNED) from exc
+        raise PeerVerificationError(_NOT_PINNED) from exc
 
 
 def _check_chain(chain_der: list[bytes], server_name: str, pin: str, now: datetime) -> None:
-    not_pinned = TransportError(_NOT_PINNED)
+    not_pinned = PeerVerificationError(_NOT_PINNED)
     if not chain_der or len(chain_der) > _MAX_CHAIN:
         raise not_pinned
     try:
         certs = [x509.load_der_x509_certificate(der) for der in chain_der]
     except (ValueError, TypeError) as exc:
-        raise TransportError("the gateway's certificate chain does not parse") from exc
+        raise PeerVerificationError("the gateway's certificate chain does not parse") from exc
     anchors = [c for c in certs if (p := _spki_pin(c)) is not None and pki.pins_equal(p, pin)]
     if not anchors:
         raise not_pinned
@@ -116,7 +126,7 @@ def _check_chain(chain_der: list[bytes], server_name: str, pin: str, now: dateti
     # Tell the usual causes apart for the message.
     not_before, not_after = leaf.not_valid_before_utc, leaf.not_valid_after_utc
     if not not_before <= when <= not_after:
-        raise TransportError(
+        raise PeerVerificationError(
             f"the gateway's certificate is not valid at {when:%Y-%m-%dT%H:%M:%SZ} "
             f"(valid {not_before:%Y-%m-%dT%H:%M:%SZ} to {not_after:%Y-%m-%dT%H:%M:%SZ}); "
             "check the clock"
@@ -127,11 +137,11 @@ def _check_chain(chain_der: list[bytes], server_name: str, pin: str, now: dateti
         and own != server_name
         and _verifies(leaf, intermediates, anchor, own, when) is None
     ):
-        raise TransportError(
+        raise PeerVerificationError(
             f"the gateway's certificate is not valid for {server_name} "
             "(set server_name in config.toml to the name the gateway serves)"
         ) from failure
-    raise TransportError(f"{_NOT_PINNED}: {failure}") from failure
+    raise PeerVerificationError(f"{_NOT_PINNED}: {failure}") from failure
 
 
 def peer_chain_der(stream: trio.SSLStream[Any]) -> list[bytes]:
@@ -200,8 +210,7 @@ async def connect_pinned(
     except trio.TooSlowError as exc:
         raise TransportError(f"cannot reach the gateway at {where}: timed out") from exc
     except OSError as exc:
-        reason = exc.strerror or exc.__class__.__name__
-        raise TransportError(f"cannot reach the gateway at {where}: {reason}") from exc
+        raise TransportError(f"cannot reach the gateway at {where}: {os_reason(exc)}") from exc
     stream = trio.SSLStream(tcp, ctx, server_hostname=server_name, https_compatible=True)
     try:
         try:
@@ -218,7 +227,9 @@ async def connect_pinned(
         try:
             chain = peer_chain_der(stream)
         except Exception as exc:
-            raise TransportError("cannot read the certificate chain the gateway presented") from exc
+            raise PeerVerificationError(
+                "cannot read the certificate chain the gateway presented"
+            ) from exc
         verify_server_chain(chain, server_name, serving_ca_pin, datetime.now(UTC))
     except BaseException:
         await trio.aclose_forcefully(stream)

@@ -549,3 +549,20 @@ def test_error_response_uses_wire_status() -> None:
     assert json.loads(resp.body) == {"code": "NOT_FOUND", "message": "no such node"}
     assert ("x-a", "b") in resp.headers
     assert http.error_response("RESOURCE_EXHAUSTED", "slow down").status == 429
+
+
+async def test_tls_handshake_failure(nursery: trio.Nursery) -> None:
+    srv = Server()
+    port = await nursery.start(http.serve, srv.handler, "127.0.0.1", 0)  # plain HTTP
+    with pytest.raises(TransportError, match=r"TLS handshake with the gateway at .* failed"):
+        await connect_pinned("127.0.0.1", port, "gw.test", material().pin, timeout=5)
+
+
+async def test_tls_handshake_timeout(nursery: trio.Nursery) -> None:
+    async def silent(tcp: trio.SocketStream) -> None:
+        await trio.sleep_forever()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    with pytest.raises(TransportError, match="timed out"):
+        await connect_pinned("127.0.0.1", port, "gw.test", material().pin, timeout=0.3)

@@ -1,0 +1,240 @@
+"""Real processes on loopback: a `better-compute serve` and `bcd join` runs.
+
+The control plane's PKI is made once per test session with the real CLI and copied
+into each control plane's home; every control plane has its own database.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from control import tenancy
+from control.client import ApiClient
+from control.store import Store, open_store
+from tests.fakesys import random_machine
+
+BIN = Path(sys.executable).parent
+SECRET = "e2e-secret-0123456789abcdef"
+TRUST_DOMAIN = "td.example"
+
+
+def cli_env(home: Path) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("BETTER_COMPUTE_", "BCD_"))}
+    env["BETTER_COMPUTE_SECRET"] = SECRET
+    env["BETTER_COMPUTE_HOME"] = str(home)
+    return env
+
+
+def run(
+    args: Sequence[str],
+    *,
+    input: bytes | None = None,
+    env: dict[str, str] | None = None,
+    timeout: float = 60,
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(args),
+        input=input.decode() if input is not None else None,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def make_pki(home: Path) -> None:
+    env = cli_env(home)
+    for args in (
+        ["pki", "init", "--trust-domain", TRUST_DOMAIN],
+        ["pki", "issue-gateway", "--san", "127.0.0.1"],
+    ):
+        done = run([str(BIN / "better-compute"), *args], env=env)
+        assert done.returncode == 0, done.stderr
+
+
+@dataclass
+class ControlPlane:
+    home: Path
+    db_url: str
+    proc: subprocess.Popen[bytes]
+    api: str
+    gateway_port: int
+    root_tenant: str
+    root_credential_file: Path
+    store: Store
+
+    @classmethod
+    def start(cls, home: Path, pki_template: Path, db_url: str) -> ControlPlane:
+        shutil.copytree(pki_template / "pki", home / "pki")
+        store = open_store(db_url)
+        store.migrate()
+        with store.tx() as tx:
+            root, credential = tenancy.create_tenant(tx, "platform", root=True)
+        cred_file = home / "root.credential"
+        cred_file.write_text(credential + "\n")
+        cred_file.chmod(0o600)
+        ready = home / "ready.json"
+        log = open(home / "serve.log", "wb")  # noqa: SIM115 - the process owns it
+        proc = subprocess.Popen(
+            [
+                str(BIN / "better-compute"),
+                "serve",
+                "--db",
+                db_url,
+                "--api-listen",
+                "127.0.0.1:0",
+                "--gateway-listen",
+                "127.0.0.1:0",
+                "--gateway-san",
+                "127.0.0.1",
+                "--ready-file",
+                str(ready),
+            ],
+            env=cli_env(home),
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                raise RuntimeError("serve did not start: " + (home / "serve.log").read_text())
+            time.sleep(0.02)
+        info = json.loads(ready.read_text())
+        return cls(home, db_url, proc, info["api"], info["gateway_port"], root, cred_file, store)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.store.close()
+
+    def client(self, credential_file: Path | None = None) -> ApiClient:
+        cred = (credential_file or self.root_credential_file).read_text().strip()
+        return ApiClient(self.api + "/api/compute", cred)
+
+    def cli(
+        self, *args: str, credential_file: Path | None = None, input: bytes | None = None
+    ) -> subprocess.CompletedProcess[str]:
+        cred = credential_file or self.root_credential_file
+        return run(
+            [str(BIN / "better-compute"), *args, "--api", self.api, "--credential-file", str(cred)],
+            env=cli_env(self.home),
+            input=input,
+        )
+
+    def tenant(self, name: str) -> tuple[str, Path]:
+        with self.store.tx() as tx:
+            tenant_id, credential = tenancy.create_tenant(tx, name)
+        path = self.home / f"{tenant_id}.credential"
+        path.write_text(credential + "\n")
+        path.chmod(0o600)
+        return tenant_id, path
+
+    def site_and_pool(
+        self,
+        tenant: str | None = None,
+        cred: Path | None = None,
+        policy: dict[str, Any] | None = None,
+    ) -> tuple[str, str]:
+        tenant = tenant or self.root_tenant
+        api = self.client(cred)
+        site = api.call("POST", f"/v1/tenants/{tenant}/sites", {"name": "rack-b7"})
+        pool = api.call(
+            "POST",
+            f"/v1/tenants/{tenant}/pools",
+            {"siteId": site["id"], "name": "gpu", "agent": "bcd", "policy": policy or {}},
+        )
+        return site["id"], pool["id"]
+
+    def token(
+        self, pool: str, tenant: str | None = None, cred: Path | None = None, **fields: Any
+    ) -> dict[str, Any]:
+        tenant = tenant or self.root_tenant
+        body = {"ttlSeconds": 3600, **fields}
+        return self.client(cred).call(
+            "POST", f"/v1/tenants/{tenant}/pools/{pool}/join-tokens", body
+        )
+
+    def pins(self) -> dict[str, str]:
+        done = run([str(BIN / "better-compute"), "pki", "pins", "--json"], env=cli_env(self.home))
+        assert done.returncode == 0, done.stderr
+        pins: dict[str, str] = json.loads(done.stdout)
+        return pins
+
+    def well_known(self) -> dict[str, Any]:
+        return ApiClient(self.api + "/api/compute", None).call("GET", "/.well-known/better-compute")
+
+    def events(self, tenant: str | None = None, type_: str | None = None) -> list[dict[str, Any]]:
+        with self.store.tx() as tx:
+            sql = "SELECT type, payload FROM events WHERE tenant_id = ?"
+            params: list[Any] = [tenant or self.root_tenant]
+            if type_:
+                sql += " AND type = ?"
+                params.append(type_)
+            rows = tx.query(sql + " ORDER BY created_at, id", params)
+        return [{"type": r["type"], **json.loads(r["payload"])} for r in rows]
+
+    def one(self, sql: str, params: Sequence[Any] = ()) -> dict[str, Any] | None:
+        with self.store.tx() as tx:
+            return tx.one(sql, params)
+
+
+@dataclass
+class Node:
+    root: Path
+    config: Path
+    data_dir: Path
+    sysfs: Path
+
+    @classmethod
+    def make(
+        cls, root: Path, cp: ControlPlane, site: str, *, seed: int = 1, write_jwk: bool = True
+    ) -> Node:
+        etc = root / "etc"
+        etc.mkdir(parents=True, exist_ok=True)
+        data = root / "data"
+        pins = cp.pins()
+        config = etc / "config.toml"
+        config.write_text(
+            f'gateway_url = "https://127.0.0.1:{cp.gateway_port}"\n'
+            f'site = "{site}"\n'
+            + "".join(f'{k} = "{v}"\n' for k, v in pins.items())
+            + f'data_dir = "{data}"\n'
+        )
+        if write_jwk:
+            jwk = cp.well_known()["join"]["encryptionJwk"]
+            (etc / "join-encryption.jwk").write_text(json.dumps(jwk))
+        sysfs = random_machine(root / "sys", seed)
+        return cls(root, config, data, sysfs)
+
+    def bcd(
+        self, *args: str, input: bytes | None = None, config: bool = True
+    ) -> subprocess.CompletedProcess[str]:
+        argv = [str(BIN / "bcd"), *args]
+        if config:
+            argv += ["--config", str(self.config)]
+        return run(argv, input=input, env=cli_env(self.root))
+
+    def join(self, token: str | None, *extra: str) -> subprocess.CompletedProcess[str]:
+        return self.bcd(
+            "join",
+            "--sysfs-root",
+            str(self.sysfs),
+            *extra,
+            input=(token + "\n").encode() if token is not None else b"",
+        )

@@ -1,0 +1,94 @@
+"""The store on both backends: migrations, compute_now, row locks, conflicts."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from control.errors import StoreConflict
+from control.store import Store, open_store
+from control.store.base import migrations
+
+
+def test_migrations_apply_once_and_are_numbered(store: Store) -> None:
+    assert store.migrate() == []
+    with store.tx() as tx:
+        versions = [r["version"] for r in tx.query("SELECT version FROM schema_migrations")]
+    assert versions == [v for v, _ in migrations()]
+
+
+def test_compute_now_is_the_database_clock(store: Store) -> None:
+    with store.tx() as tx:
+        now = tx.now_ms()
+    assert abs(now - time.time() * 1000) < 5_000
+
+
+def _insert_then_fail(store: Store) -> None:
+    with store.tx() as tx:
+        tx.execute(
+            "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?, ?, 0, ?)",
+            ("ten_x", "x", tx.now_ms()),
+        )
+        raise RuntimeError("boom")
+
+
+def test_rollback_on_exception_keeps_nothing(store: Store) -> None:
+    with pytest.raises(RuntimeError):
+        _insert_then_fail(store)
+    with store.tx() as tx:
+        assert tx.one("SELECT id FROM tenants WHERE id = ?", ("ten_x",)) is None
+
+
+def test_unique_violation_is_a_store_conflict(store: Store) -> None:
+    with store.tx() as tx:
+        tx.execute("INSERT INTO tenants (id, name, is_root, created_at) VALUES ('a', 'a', 1, 0)")
+    with pytest.raises(StoreConflict), store.tx() as tx:
+        tx.execute("INSERT INTO tenants (id, name, is_root, created_at) VALUES ('b', 'b', 1, 0)")
+
+
+def test_row_lock_serialises_concurrent_decrements(store_url: str) -> None:
+    """Ten threads take one use each of a 5-use counter: exactly five succeed."""
+    setup = open_store(store_url)
+    setup.migrate()
+    with setup.tx() as tx:
+        tx.execute("INSERT INTO refusal_windows VALUES ('k', 0, 5, 0)")
+    setup.close()
+    won: list[bool] = []
+    lock = threading.Lock()
+
+    def worker() -> None:
+        s = open_store(store_url)
+        try:
+            with s.tx() as tx:
+                row = tx.one(
+                    "SELECT emitted FROM refusal_windows WHERE rate_key = 'k'" + tx.for_update
+                )
+                assert row is not None
+                ok = row["emitted"] > 0
+                if ok:
+                    time.sleep(0.01)
+                    tx.execute(
+                        "UPDATE refusal_windows SET emitted = emitted - 1 WHERE rate_key = 'k'"
+                    )
+            with lock:
+                won.append(ok)
+        finally:
+            s.close()
+
+    threads = [threading.Thread(target=worker) for _ in range(10)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert won.count(True) == 5
+    check = open_store(store_url)
+    with check.tx() as tx:
+        assert tx.one("SELECT emitted FROM refusal_windows WHERE rate_key = 'k'") == {"emitted": 0}
+    check.close()
+
+
+def test_unknown_database_url_is_refused() -> None:
+    with pytest.raises(ValueError, match="sqlite:///"):
+        open_store("mysql://x")
