@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	@touch $(STAMP)
 
 quickstart: $(STAMP)
-	$(BIN)/python -m tests.quickstart
+	$(BIN)/python -m control.quickstart
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

@@ -1,0 +1,203 @@
+"""``make quickstart``: a control plane on SQLite on loopback and one node joined to it.
+
+Everything lives under ``./.quickstart/`` (ignored by git); each run starts it
+afresh. Every step prints the command it runs, so the output doubles as a tour.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from bcd.hardware import hardware_key, read_claims
+
+BIN = Path(sys.executable).parent
+ROOT = Path(".quickstart").absolute()
+SECRET = "quickstart-secret-not-for-production"  # noqa: S105 - a loopback demo
+
+
+def step(title: str) -> None:
+    print(f"\n==> {title}", flush=True)
+
+
+def run(*args: str, stdin: Path | None = None, env: dict[str, str] | None = None) -> str:
+    shown = " ".join(shlex.quote(a) for a in args) + (f" < {stdin}" if stdin else "")
+    print(f"$ {shown}", flush=True)
+    with open(stdin, "rb") if stdin else open(os.devnull, "rb") as fin:
+        done = subprocess.run(
+            list(args), stdin=fin, capture_output=True, text=True, env=env, check=False
+        )
+    out = (done.stdout + done.stderr).rstrip()
+    if out:
+        print(out, flush=True)
+    if done.returncode != 0:
+        raise SystemExit(f"quickstart: step failed with exit code {done.returncode}")
+    return done.stdout
+
+
+def main() -> int:
+    if os.geteuid() != 0:
+        print("quickstart: bcd join runs as root; run make quickstart as root", file=sys.stderr)
+        return 1
+    if ROOT.exists():
+        step(f"starting afresh: removing {ROOT}")
+        shutil.rmtree(ROOT)
+    home, node = ROOT / "control-plane", ROOT / "node"
+    home.mkdir(parents=True, mode=0o700)
+    (node / "etc").mkdir(parents=True)
+    env = {**os.environ, "BETTER_COMPUTE_SECRET": SECRET, "BETTER_COMPUTE_HOME": str(home)}
+    bc = str(BIN / "better-compute")
+
+    step("the machine PKI: CAs, JoinService keys, a gateway certificate")
+    run(bc, "pki", "init", "--trust-domain", "quickstart.example", env=env)
+    run(bc, "pki", "issue-gateway", "--san", "127.0.0.1", env=env)
+    pins = json.loads(run(bc, "pki", "pins", "--json", env=env))
+
+    step("the root tenant and its API credential")
+    cred = home / "root.credential"
+    tenant = json.loads(
+        run(
+            bc,
+            "tenants",
+            "create",
+            "--root",
+            "--name",
+            "platform",
+            "--credential-out",
+            str(cred),
+            "--json",
+            env=env,
+        )
+    )["id"]
+
+    step("better-compute serve: the API and the gateway, on SQLite, on loopback")
+    ready = home / "ready.json"
+    log = open(home / "serve.log", "wb")  # noqa: SIM115 - closed in finally
+    print(
+        f"$ {bc} serve --api-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 --ready-file {ready} &"
+    )
+    serve = subprocess.Popen(
+        [
+            bc,
+            "serve",
+            "--api-listen",
+            "127.0.0.1:0",
+            "--gateway-listen",
+            "127.0.0.1:0",
+            "--ready-file",
+            str(ready),
+        ],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    try:
+        deadline = time.monotonic() + 20
+        while not ready.exists():
+            if serve.poll() is not None or time.monotonic() > deadline:
+                print((home / "serve.log").read_text(), file=sys.stderr)
+                raise SystemExit("quickstart: the control plane did not start")
+            time.sleep(0.05)
+        addr = json.loads(ready.read_text())
+        print(f"API {addr['api']}, gateway {addr['gateway']}")
+        api = ["--api", addr["api"], "--credential-file", str(cred), "--json"]
+
+        step("a site, a pool that runs bcd, and a one-use join token")
+        site = json.loads(
+            run(bc, "sites", "create", "--tenant", tenant, "--name", "lab", *api, env=env)
+        )["id"]
+        pool = json.loads(
+            run(
+                bc,
+                "pools",
+                "create",
+                "--tenant",
+                tenant,
+                "--site",
+                site,
+                "--name",
+                "servers",
+                *api,
+                env=env,
+            )
+        )["id"]
+        token = ROOT / "join-token"
+        run(
+            bc,
+            "join-tokens",
+            "create",
+            "--tenant",
+            tenant,
+            "--pool",
+            pool,
+            "--ttl",
+            "15m",
+            "--out",
+            str(token),
+            *api,
+            env=env,
+        )
+
+        step("the node's config.toml and join-encryption.jwk (what install-bcd.sh writes)")
+        with urllib.request.urlopen(
+            addr["api"] + "/api/compute/.well-known/better-compute"
+        ) as resp:  # noqa: S310
+            jwk = json.load(resp)["join"]["encryptionJwk"]
+        config = node / "etc" / "config.toml"
+        config.write_text(
+            f'gateway_url = "{addr["gateway"]}"\nsite = "{site}"\n'
+            + "".join(f'{k} = "{v}"\n' for k, v in pins.items())
+            + f'data_dir = "{node / "data"}"\n'
+        )
+        (node / "etc" / "join-encryption.jwk").write_text(json.dumps(jwk))
+        print(config.read_text().rstrip())
+
+        sysfs = "/"
+        if not hardware_key(read_claims(Path("/"))).trusted:
+            from control.simulate import random_machine
+
+            sysfs = str(random_machine(ROOT / "machine", 7))
+            print(
+                f"this machine reports fewer than two hardware identifiers; presenting a simulated one ({sysfs})"
+            )
+
+        step("bcd join: the machine becomes a node")
+        bcd = str(BIN / "bcd")
+        run(
+            bcd,
+            "join",
+            "--config",
+            str(config),
+            "--token-file",
+            str(token),
+            "--sysfs-root",
+            sysfs,
+            env=env,
+        )
+        print(f"the token file is gone: {not token.exists()}")
+
+        step("bcd doctor")
+        run(bcd, "doctor", "--config", str(config), env=env)
+        step("bcd join again: already joined, no credential read")
+        run(bcd, "join", "--config", str(config), "--sysfs-root", sysfs, env=env)
+        step("the control plane's view")
+        run(bc, "nodes", "list", "--tenant", tenant, *api[:-1], env=env)
+        run(bc, "events", "list", "--tenant", tenant, *api[:-1], env=env)
+    finally:
+        serve.send_signal(signal.SIGTERM)
+        serve.wait(10)
+        log.close()
+    step(f"done: all state is under {ROOT}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
