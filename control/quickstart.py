@@ -147,9 +147,8 @@ def main() -> int:
         )
 
         step("the node's config.toml and join-encryption.jwk (what install-bcd.sh writes)")
-        with urllib.request.urlopen(
-            addr["api"] + "/api/compute/.well-known/better-compute"
-        ) as resp:  # noqa: S310
+        well_known = addr["api"] + "/api/compute/.well-known/better-compute"
+        with urllib.request.urlopen(well_known) as resp:  # noqa: S310 - our own http URL
             jwk = json.load(resp)["join"]["encryptionJwk"]
         config = node / "etc" / "config.toml"
         config.write_text(
