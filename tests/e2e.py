@@ -75,16 +75,29 @@ class ControlPlane:
     store: Store
 
     @classmethod
-    def start(cls, home: Path, pki_template: Path, db_url: str) -> ControlPlane:
+    def start(
+        cls, home: Path, pki_template: Path, db_url: str, gateway_url: str | None = None
+    ) -> ControlPlane:
         shutil.copytree(pki_template / "pki", home / "pki")
         store = open_store(db_url)
         store.migrate()
         with store.tx() as tx:
-            root, credential = tenancy.create_tenant(tx, "platform", root=True)
+            root = tenancy.root_tenant(tx)
+            if root is None:
+                root, credential = tenancy.create_tenant(tx, "platform", root=True)
+            else:
+                credential = tenancy.create_credential(tx, root)
         cred_file = home / "root.credential"
         cred_file.write_text(credential + "\n")
         cred_file.chmod(0o600)
         ready = home / "ready.json"
+        port = None
+        if gateway_url is not None:
+            import socket
+
+            with socket.socket() as probe:
+                probe.bind(("127.0.0.1", 0))
+                port = probe.getsockname()[1]
         log = open(home / "serve.log", "wb")  # noqa: SIM115 - the process owns it
         proc = subprocess.Popen(
             [
@@ -95,11 +108,12 @@ class ControlPlane:
                 "--api-listen",
                 "127.0.0.1:0",
                 "--gateway-listen",
-                "127.0.0.1:0",
+                f"127.0.0.1:{port or 0}",
                 "--gateway-san",
                 "127.0.0.1",
                 "--ready-file",
                 str(ready),
+                *(["--gateway-url", gateway_url.format(port=port)] if gateway_url else []),
             ],
             env=cli_env(home),
             stdout=log,
