@@ -9,12 +9,13 @@ from __future__ import annotations
 import base64
 import binascii
 import hashlib
+import hmac
 import re
 from dataclasses import dataclass
 from datetime import datetime
 
 from cryptography import x509
-from cryptography.exceptions import InvalidSignature
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import (
@@ -81,9 +82,11 @@ def parse_pin(text: object) -> str:
 
 
 def pins_equal(a: str, b: str) -> bool:
-    import hmac
-
-    return hmac.compare_digest(a.encode(), b.encode())
+    """Constant-time pin comparison; anything that is not ASCII text is unequal."""
+    try:
+        return hmac.compare_digest(a.encode("ascii"), b.encode("ascii"))
+    except (UnicodeEncodeError, AttributeError):
+        return False
 
 
 # --- SPIFFE IDs -------------------------------------------------------------------
@@ -135,7 +138,7 @@ def parse_csr(der: bytes) -> x509.CertificateSigningRequest:
         csr = x509.load_der_x509_csr(der)
         public_key = csr.public_key()
         valid = csr.is_signature_valid
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
         raise PkiError("the CSR does not parse") from exc
     if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(
         public_key.curve, ec.SECP256R1

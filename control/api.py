@@ -183,6 +183,21 @@ class App:
         items = await self.run(lambda tx: events.list_events(tx, tenant, type_, since, limit))
         return json_response(200, {"items": items})
 
+    async def _r_pools_policy(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str
+    ) -> Response:
+        policy = body.get("policy")
+        if not isinstance(policy, dict):
+            raise invalid("policy must be an object")
+        return json_response(
+            200, await self.run(lambda tx: tenancy.set_pool_policy(tx, tenant, pool_id, policy))
+        )
+
+    async def _r_nodes_show(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
+    ) -> Response:
+        return json_response(200, await self.run(lambda tx: nodes.show_node(tx, tenant, node_id)))
+
     async def _r_nodes_list(self, tenant: str, body: dict[str, Any], q: dict[str, str]) -> Response:
         return json_response(
             200, {"items": await self.run(lambda tx: nodes.list_nodes(tx, tenant))}
@@ -216,6 +231,8 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ),
     ("GET", re.compile(r"/events"), "events_list"),
     ("GET", re.compile(r"/nodes"), "nodes_list"),
+    ("GET", re.compile(r"/nodes/(node_[0-9a-z]{26})"), "nodes_show"),
+    ("POST", re.compile(r"/pools/(pool_[0-9a-z]{26})/policy"), "pools_policy"),
 ]
 
 

@@ -207,6 +207,21 @@ def cmd_pools_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pools_set_policy(args: argparse.Namespace) -> int:
+    policy: dict[str, Any] = {}
+    if args.attestors:
+        policy["joinAttestors"] = [a.strip() for a in args.attestors.split(",") if a.strip()]
+    if args.acceptance_checks:
+        policy["acceptanceChecks"] = True
+    if args.kubernetes_platform_operated:
+        policy["kubernetes"] = {"platformOperated": True}
+    pool = _client(args).call(
+        "POST", f"/v1/tenants/{args.tenant}/pools/{args.pool}/policy", {"policy": policy}
+    )
+    _emit(args, pool, f"pool {pool['id']} policy {json.dumps(pool['policy'], sort_keys=True)}")
+    return 0
+
+
 def _expect(args: argparse.Namespace) -> dict[str, str]:
     pairs = {
         "productUuid": args.expect_product_uuid,
@@ -315,6 +330,20 @@ def cmd_events_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_nodes_show(args: argparse.Namespace) -> int:
+    node = _client(args).call("GET", f"/v1/tenants/{args.tenant}/nodes/{args.node_id}")
+    if args.json:
+        print(json.dumps(node, indent=2))
+    else:
+        print(f"{node['id']}  {node['role']}  {node['state']}  gen {node['identityGeneration']}")
+        for c in node["certificates"]:
+            state = f"revoked ({c['revokeReason']})" if c["revoked"] else "live"
+            print(
+                f"  cert {c['serial']}  gen {c['identityGeneration']}  until {c['notAfter']}  {state}"
+            )
+    return 0
+
+
 def cmd_nodes_list(args: argparse.Namespace) -> int:
     page = _client(args).call("GET", f"/v1/tenants/{args.tenant}/nodes")
     if args.json:
@@ -392,6 +421,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--agent", default="bcd")
     p.add_argument("--attestors", help="policy.joinAttestors, comma separated")
     p.add_argument("--acceptance-checks", action="store_true")
+    p = verb(pools, "set-policy", cmd_pools_set_policy, client=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--pool", required=True)
+    p.add_argument("--attestors", help="policy.joinAttestors, comma separated (none: any)")
+    p.add_argument("--acceptance-checks", action="store_true")
+    p.add_argument("--kubernetes-platform-operated", action="store_true")
 
     jt = sub.add_parser("join-tokens").add_subparsers(
         dest="verb", required=True, parser_class=_Parser
@@ -429,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     nd = sub.add_parser("nodes").add_subparsers(dest="verb", required=True, parser_class=_Parser)
     p = verb(nd, "list", cmd_nodes_list, client=True)
+    p.add_argument("--tenant", required=True)
+    p = verb(nd, "show", cmd_nodes_show, client=True)
+    p.add_argument("node_id")
     p.add_argument("--tenant", required=True)
     return top
 

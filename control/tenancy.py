@@ -106,3 +106,24 @@ def owned_pool(tx: Tx, tenant_id: str, pool_id: str) -> Row:
     if row is None or row["tenant_id"] != tenant_id:
         raise not_found("no such pool")
     return row
+
+
+def set_pool_policy(tx: Tx, tenant_id: str, pool_id: str, policy: dict[str, Any]) -> Row:
+    """Replace a pool's policy (``joinAttestors``, ``acceptanceChecks``, ``kubernetes``)."""
+    owned_pool(tx, tenant_id, pool_id)
+    attestors = policy.get("joinAttestors")
+    if attestors is not None and (
+        not isinstance(attestors, list) or not all(isinstance(a, str) and a for a in attestors)
+    ):
+        raise invalid("policy.joinAttestors must be a list of attestor names")
+    tx.execute("UPDATE pools SET policy = ? WHERE id = ?", (json.dumps(policy), pool_id))
+    row = tx.one("SELECT * FROM pools WHERE id = ?", (pool_id,))
+    assert row is not None
+    return {
+        "id": row["id"],
+        "tenantId": row["tenant_id"],
+        "siteId": row["site_id"],
+        "name": row["name"],
+        "agent": row["agent"],
+        "policy": json.loads(row["policy"]),
+    }

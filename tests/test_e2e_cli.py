@@ -250,3 +250,44 @@ def test_a_rotated_join_key_file_fails_with_the_way_back(
     assert "does not match join_encryption_key_pin" in done.stderr
     assert "generate the install script again" in done.stderr
     assert not (node.data_dir / "identity.json").exists()
+
+
+def test_pool_policy_and_node_show(sqlite_control_plane: ControlPlane, tmp_path: Path) -> None:
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    done = cp.cli(
+        "pools",
+        "set-policy",
+        "--tenant",
+        cp.root_tenant,
+        "--pool",
+        pool,
+        "--attestors",
+        "tpm",
+        "--json",
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["policy"] == {"joinAttestors": ["tpm"]}
+    node = Node.make(tmp_path / "n", cp, site)
+    assert node.join(cp.token(pool)["token"]).returncode == 1
+    assert "join-token:pool-attestor" in [
+        e["reason"] for e in cp.events(type_="security.join.refused")
+    ]
+    cp.cli(
+        "pools",
+        "set-policy",
+        "--tenant",
+        cp.root_tenant,
+        "--pool",
+        pool,
+        "--attestors",
+        "join-token,tpm",
+    )
+    joined = node.join(cp.token(pool)["token"])
+    assert joined.returncode == 0, joined.stderr
+    node_id = joined.stdout.split()[2]
+    shown = cp.cli("nodes", "show", node_id, "--tenant", cp.root_tenant, "--json")
+    assert shown.returncode == 0, shown.stderr
+    detail = json.loads(shown.stdout)
+    assert detail["state"] == "adopting"
+    assert [c["revoked"] for c in detail["certificates"]] == [False]
