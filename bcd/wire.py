@@ -240,6 +240,76 @@ def parse_join_request(obj: dict[str, Any]) -> JoinRequest:
     )
 
 
+# --- renewal and sessions ----------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class RenewRequest:
+    """POST /v1/renew: a new CSR, the current chain, the client time and the proof."""
+
+    csr_der: bytes
+    chain: str
+    client_time_ms: int
+    pop_sig: bytes
+    key_attestation: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "csr": base64.b64encode(self.csr_der).decode("ascii"),
+            "chain": self.chain,
+            "client_time": self.client_time_ms,
+            "pop_sig": pki.b64url(self.pop_sig),
+            "key_attestation": self.key_attestation,
+        }
+
+
+def parse_renew_request(obj: dict[str, Any]) -> RenewRequest:
+    csr_b64 = _str(obj, "csr", max_len=8192)
+    try:
+        csr_der = base64.b64decode(csr_b64, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WireError("csr must be base64") from exc
+    chain = _str(obj, "chain", max_len=32768)
+    client_time = obj.get("client_time")
+    if not isinstance(client_time, int) or isinstance(client_time, bool) or client_time < 0:
+        raise WireError("client_time must be unix milliseconds")
+    try:
+        pop_sig = pki.b64url_decode(_str(obj, "pop_sig", max_len=128))
+    except pki.PkiError as exc:
+        raise WireError("pop_sig must be base64url") from exc
+    attestation = obj.get("key_attestation")
+    if attestation is not None and not isinstance(attestation, dict):
+        raise WireError("key_attestation must be an object")
+    return RenewRequest(csr_der, chain, client_time, pop_sig, attestation)
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """The first message of a session (POST /v1/session)."""
+
+    node_id: str
+    journal_id: str
+    boot_id: str
+    daemon_version: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "journal_id": self.journal_id,
+            "boot_id": self.boot_id,
+            "daemon_version": self.daemon_version,
+        }
+
+
+def parse_hello(obj: dict[str, Any]) -> Hello:
+    return Hello(
+        node_id=_str(obj, "node_id", max_len=64),
+        journal_id=_str(obj, "journal_id", max_len=64),
+        boot_id=_str(obj, "boot_id", max_len=64, optional=True),
+        daemon_version=_str(obj, "daemon_version", max_len=64, optional=True),
+    )
+
+
 # --- the sealed token (compact JWE) -----------------------------------------------
 
 
@@ -292,8 +362,13 @@ def seal_token(
     return str(token_jwe.serialize(compact=True))
 
 
+def decryption_jwk(key: ec.EllipticCurvePrivateKey) -> jwk.JWK:
+    """The JoinService decryption key in jwcrypto's form; convert it once, not per join."""
+    return jwk.JWK.from_pyca(key)
+
+
 def open_seal(
-    sealed: str, decryption_key: ec.EllipticCurvePrivateKey, expected_kid: str
+    sealed: str, decryption_key: ec.EllipticCurvePrivateKey | jwk.JWK, expected_kid: str
 ) -> OpenedSeal:
     """Decrypt a sealed token; check ``typ`` and ``kid``. The caller checks csr and iat."""
     if not isinstance(sealed, str) or sealed.count(".") != 4 or len(sealed) > 8192:
@@ -308,7 +383,7 @@ def open_seal(
         raise WireError("wrong algorithm")
     if not isinstance(header.get("kid"), str) or not pki.pins_equal(header["kid"], expected_kid):
         raise WireError("wrong kid")
-    key = jwk.JWK.from_pyca(decryption_key)
+    key = decryption_key if isinstance(decryption_key, jwk.JWK) else decryption_jwk(decryption_key)
     try:
         obj = jwe.JWE()
         obj.allowed_algs = ["ECDH-ES+A256KW", "A256GCM"]
@@ -330,6 +405,8 @@ def open_seal(
 
 
 # --- signed responses (compact JWS, ES256) ----------------------------------------
+
+RESPONSE_KINDS = ("joined", "challenge", "pending", "renewed")
 
 
 def sign_response(body: dict[str, Any], key: ec.EllipticCurvePrivateKey) -> str:
@@ -358,7 +435,7 @@ def verify_response(jws: str, signing_key_pin: str) -> dict[str, Any]:
         if isinstance(exc, WireError):
             raise
         raise WireError("the response signature does not verify") from exc
-    if not isinstance(body, dict) or body.get("kind") not in ("joined", "challenge", "pending"):
+    if not isinstance(body, dict) or body.get("kind") not in RESPONSE_KINDS:
         raise WireError("the response has no known kind")
     return body
 

@@ -17,6 +17,7 @@ goes only to a ``security.join.refused`` event, written after the rollback.
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 from collections.abc import Callable, Mapping
@@ -48,7 +49,7 @@ IssueLeaf = Callable[
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True)  # not slots: the cached properties need a __dict__
 class JoinCrypto:
     """pkiJoinCrypto: what JoinService needs of the PKI (the seed's ``pki.join``)."""
 
@@ -61,9 +62,13 @@ class JoinCrypto:
     trust_version: int
     cert_ttl_s: int = CERT_TTL_MAX_S
 
-    @property
+    @functools.cached_property
     def encryption_pin(self) -> str:
         return pki.spki_pin(self.encryption_key.public_key())
+
+    @functools.cached_property
+    def decryption_jwk(self) -> Any:
+        return wire.decryption_jwk(self.encryption_key)
 
 
 class _Ctx:
@@ -146,7 +151,7 @@ class JoinService:
         if request.sealed_token is not None:
             try:
                 seal = wire.open_seal(
-                    request.sealed_token, crypto.encryption_key, crypto.encryption_pin
+                    request.sealed_token, crypto.decryption_jwk, crypto.encryption_pin
                 )
             except wire.WireError:
                 seal_error = "seal-invalid"
