@@ -77,7 +77,7 @@ def _encryption_key_from_file(cfg: Config) -> ec.EllipticCurvePublicKey | None:
 def _well_known_url(server: str) -> str:
     parsed = urllib.parse.urlsplit(server)
     if parsed.scheme not in ("https", "http") or not parsed.hostname:
-        raise UsageError("--server must be the control plane's https:// URL")
+        raise UsageError("--server must be the control plane's https:// (or http://) URL")
     base = server.rstrip("/")
     if not parsed.path.rstrip("/").endswith(BASE_PATH):
         base += BASE_PATH
@@ -135,7 +135,12 @@ def _bootstrap_config(args: argparse.Namespace, doc: dict[str, Any]) -> Config:
         try:
             pki.parse_pin(value)
         except pki.PkiError as exc:
-            raise UsageError(f"--{name.replace('_', '-')}: {exc}") from exc
+            flag = {
+                "serving_ca_spki_pin": "--serving-ca-pin",
+                "join_signing_key_pin": "--join-signing-pin",
+                "join_encryption_key_pin": "--join-encryption-pin",
+            }[name]
+            raise UsageError(f"{flag}: {exc}") from exc
     gateway = doc.get("gateway")
     if not isinstance(gateway, dict) or not isinstance(gateway.get("url"), str):
         raise JoinError(f"{args.server} publishes no gateway section; write {args.config} instead")
@@ -186,6 +191,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             cfg = replace(cfg, data_dir=Path(args.data_dir).absolute())
     data_dir = cfg.data_dir
 
+    plan: list[tuple[Path, Path]] = []
     if args.reset:
         plan = reset_plan(data_dir, _now())
         for src, dst in plan:
@@ -195,7 +201,6 @@ def cmd_join(args: argparse.Namespace) -> int:
         if not args.yes:
             print("nothing was moved; run again with --reset --yes to move the identity aside")
             return 2
-        apply_reset(plan)
     else:
         state = load_state(data_dir)
         if state is not None:
@@ -243,6 +248,9 @@ def cmd_join(args: argparse.Namespace) -> int:
         )
     )
     ident = joined.identity
+    # The old identity moves aside only once the new one is in hand: a refused or
+    # failed join after --reset --yes leaves the machine as it was.
+    apply_reset(plan)
     persist_join(data_dir, ident, key_to_pem(key), _now())
     if bootstrap_doc is not None:
         cfg = replace(cfg, site=ident.site_id)
@@ -269,7 +277,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     checks = doctor.run_checks(Path(args.config), _now())
     plugins = load_plugins()
     checks.append(doctor.plugins_check(plugins))
-    print(doctor.render_json(checks) if args.json else doctor.render_text(checks))
+    print(doctor.render_json(checks) if args.json else doctor.render_text(checks).rstrip("\n"))
     return doctor.exit_code(checks)
 
 

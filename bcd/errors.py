@@ -9,6 +9,7 @@
     ├── IdentityError        the identity in the data directory does not load
     ├── JoinError            the join failed (refused, or the answer did not verify)
     │   └── RetryableError   the control plane asked to retry (UNAVAILABLE, ...)
+    ├── CertificateRevoked   the gateway refused the node certificate (UNAUTHENTICATED)
     └── TransportError       the gateway could not be reached or did not verify
         └── PeerVerificationError  the gateway's certificate did not verify (never retried)
 
@@ -53,6 +54,16 @@ class RetryableError(JoinError):
     def __init__(self, message: str, pushback_s: float | None = None) -> None:
         super().__init__(message)
         self.pushback_s = pushback_s
+
+
+class CertificateRevoked(BcdError):
+    """Raised when the gateway answers UNAUTHENTICATED to the node's certificate.
+
+    The certificate is revoked or unknown to the control plane: renewing or
+    reconnecting with it cannot succeed, so the agent stops instead of retrying.
+    Nothing on the node is deleted; the way back is joining again with fresh
+    evidence (``bcd join --reset --yes``, then ``bcd join``).
+    """
 
 
 class TransportError(BcdError):

@@ -1,16 +1,17 @@
 """agent.Join: key, CSR, seal, call, verify, persist (seed 003, "What the join does").
 
-The exchange with the gateway is :func:`exchange`; the answer is checked by the pure
-:func:`verify_joined` in the seed's order: the signature under the pinned key, that
-``csr_sha256`` is this request's, that the leaf certifies this key, the SPIFFE ID,
-and the role.
+The exchange with the gateway is :func:`gateway_sender`; the answer is checked by the
+pure :func:`verify_joined` in the seed's order: the signature under the pinned key
+(:func:`verify_signed`), then :func:`check_issued`: that ``csr_sha256`` is this
+request's, that the leaf certifies this key, the SPIFFE ID, and the role. A renewal
+(:mod:`bcd.renew`) reuses both.
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -20,7 +21,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import __version__, pki, wire
 from bcd.config import Config, gateway_host_port
-from bcd.errors import JoinError, PeerVerificationError, RetryableError, TransportError
+from bcd.errors import BcdError, JoinError, PeerVerificationError, RetryableError, TransportError
 from bcd.httpclient import request
 from bcd.identity import Identity, make_identity
 from bcd.plugins import NodeJoinContext, Plugins, wire_name
@@ -40,26 +41,35 @@ class Joined:
     body: dict[str, Any]
 
 
-def verify_joined(
-    signed: str,
+def verify_signed(signed: str, *, signing_pin: str, what: str = "join") -> dict[str, Any]:
+    """Check a SignedResponse's signature under the pinned join-signing key; return its body."""
+    try:
+        return wire.verify_response(signed, signing_pin)
+    except wire.WireError as exc:
+        raise JoinError(f"the {what} answer does not verify: {exc}") from exc
+
+
+def check_issued(
+    body: dict[str, Any],
     *,
-    signing_pin: str,
     csr_der: bytes,
     key: ec.EllipticCurvePublicKey,
-    role: str,
-) -> dict[str, Any]:
-    """Check a SignedResponse in the seed's order; return its body or raise JoinError."""
-    try:
-        body = wire.verify_response(signed, signing_pin)
-    except wire.WireError as exc:
-        raise JoinError(f"the join answer does not verify: {exc}") from exc
-    if body.get("kind") != "joined":
-        return body
+    roles: Collection[str],
+    expected: pki.SpiffeId | None = None,
+    what: str = "join",
+) -> pki.LeafInfo:
+    """The checks on an issued certificate (``joined`` or ``renewed``), in the seed's order.
+
+    ``csr_sha256`` is this request's; the leaf certifies ``key``; the leaf's SPIFFE ID
+    is the one the body names and, when ``expected`` is given (a renewal), that one;
+    its role is one of ``roles`` and the one the body names. Returns the leaf's
+    :class:`~bcd.pki.LeafInfo`; raises :class:`JoinError` otherwise.
+    """
     if body.get("csr_sha256") != pki.sha256_hex(csr_der):
-        raise JoinError("the join answer is for another request (csr_sha256 differs)")
+        raise JoinError(f"the {what} answer is for another request (csr_sha256 differs)")
     chain = body.get("chain")
     if not isinstance(chain, str):
-        raise JoinError("the join answer has no certificate chain")
+        raise JoinError(f"the {what} answer has no certificate chain")
     try:
         leaf = pki.load_pem_chain(chain)[0]
         leaf_key = leaf.public_key()
@@ -76,10 +86,34 @@ def verify_joined(
         or spiffe.site_id != body.get("site_id")
         or spiffe.trust_domain != body.get("trust_domain")
     ):
-        raise JoinError("the issued certificate's SPIFFE ID does not match the join answer")
-    allowed = {role, "node-tenant"} if role == "node" else {role}
-    if info.role not in allowed or body.get("role") != info.role:
-        raise JoinError(f"the issued certificate's role {info.role} is not the requested {role}")
+        raise JoinError(f"the issued certificate's SPIFFE ID does not match the {what} answer")
+    if expected is not None and spiffe != expected:
+        raise JoinError(
+            f"the issued certificate's SPIFFE ID {spiffe} is not this node's {expected}"
+        )
+    if info.role not in roles or body.get("role") != info.role:
+        wanted = " or ".join(sorted(roles))
+        raise JoinError(f"the issued certificate's role {info.role} is not the requested {wanted}")
+    return info
+
+
+def verify_joined(
+    signed: str,
+    *,
+    signing_pin: str,
+    csr_der: bytes,
+    key: ec.EllipticCurvePublicKey,
+    role: str,
+) -> dict[str, Any]:
+    """Check a SignedResponse in the seed's order; return its body or raise JoinError.
+
+    A ``challenge`` or ``pending`` body is returned after the signature check alone.
+    """
+    body = verify_signed(signed, signing_pin=signing_pin)
+    if body.get("kind") != "joined":
+        return body
+    allowed = (role, "node-tenant") if role == "node" else (role,)
+    check_issued(body, csr_der=csr_der, key=key, roles=allowed)
     return body
 
 
@@ -194,7 +228,15 @@ async def join(
             now_s=int(clock()),
             role=role,
         )
-        evidence = plugins.node_evidence(attestor, ctx)
+        try:
+            evidence = plugins.node_evidence(attestor, ctx)
+        except BcdError:
+            raise
+        except Exception as exc:  # a broken plugin is named, never a traceback
+            log.debug("attestor plugin %s failed", attestor, exc_info=True)
+            raise JoinError(
+                f"the {attestor} attestor plugin failed to build its evidence ({type(exc).__name__})"
+            ) from exc
         if evidence is None:
             raise JoinError(f"no attestor plugin named {attestor!r} is loaded")
         req = wire.JoinRequest(

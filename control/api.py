@@ -203,6 +203,19 @@ class App:
             200, {"items": await self.run(lambda tx: nodes.list_nodes(tx, tenant))}
         )
 
+    async def _r_nodes_revoke_identity(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
+    ) -> Response:
+        reason = _field(body, "reason", str, "revoked")
+        return json_response(
+            200, await self.run(lambda tx: nodes.revoke_identity(tx, tenant, node_id, reason))
+        )
+
+    async def _r_nodes_delete(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
+    ) -> Response:
+        return json_response(200, await self.run(lambda tx: nodes.delete_node(tx, tenant, node_id)))
+
     # --- the gateway ----------------------------------------------------------------
 
     async def gateway_handler(self, req: Request) -> Response:
@@ -232,6 +245,8 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/events"), "events_list"),
     ("GET", re.compile(r"/nodes"), "nodes_list"),
     ("GET", re.compile(r"/nodes/(node_[0-9a-z]{26})"), "nodes_show"),
+    ("POST", re.compile(r"/nodes/(node_[0-9a-z]{26})/revoke-identity"), "nodes_revoke_identity"),
+    ("DELETE", re.compile(r"/nodes/(node_[0-9a-z]{26})"), "nodes_delete"),
     ("POST", re.compile(r"/pools/(pool_[0-9a-z]{26})/policy"), "pools_policy"),
 ]
 

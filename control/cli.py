@@ -152,6 +152,7 @@ def cmd_tenants_create(args: argparse.Namespace) -> int:
         )
     _home(args).mkdir(parents=True, exist_ok=True, mode=0o700)
     store = open_store(_db_url(args))
+    written = False
     try:
         store.migrate()
         with store.tx() as tx:
@@ -160,6 +161,11 @@ def cmd_tenants_create(args: argparse.Namespace) -> int:
                 fs.create_new(out, (credential + "\n").encode("ascii"), 0o600)
             except FileExistsError as exc:
                 raise ControlError("ALREADY_EXISTS", f"{out} exists") from exc
+            written = True
+    except BaseException:
+        if written:  # the tenant was not created: its credential must not linger
+            fs.remove(out)
+        raise
     finally:
         store.close()
     _emit(args, {"id": tenant_id, "name": args.name, "root": args.root}, f"tenant {tenant_id}")
@@ -344,6 +350,31 @@ def cmd_nodes_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def _node_path(args: argparse.Namespace) -> str:
+    if not re.fullmatch(r"node_[0-9a-z]{26}", args.node_id):
+        raise ControlError("INVALID_ARGUMENT", f"{args.node_id!r} is not a node id (node_…)")
+    return f"/v1/tenants/{args.tenant}/nodes/{args.node_id}"
+
+
+def cmd_nodes_revoke_identity(args: argparse.Namespace) -> int:
+    body = {"reason": args.reason} if args.reason else {}
+    rec = _client(args).call("POST", _node_path(args) + "/revoke-identity", body)
+    revoked = rec["revoked"]
+    text = (
+        f"revoked {len(revoked)} certificate(s) of {rec['nodeId']}: {', '.join(revoked)}"
+        if revoked
+        else f"{rec['nodeId']} has no live certificate; nothing revoked"
+    )
+    _emit(args, rec, text)
+    return 0
+
+
+def cmd_nodes_delete(args: argparse.Namespace) -> int:
+    rec = _client(args).call("DELETE", _node_path(args))
+    _emit(args, rec, f"deleted {rec['nodeId']} ({len(rec['revoked'])} certificate(s) revoked)")
+    return 0
+
+
 def cmd_nodes_list(args: argparse.Namespace) -> int:
     page = _client(args).call("GET", f"/v1/tenants/{args.tenant}/nodes")
     if args.json:
@@ -468,10 +499,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb(nd, "show", cmd_nodes_show, client=True)
     p.add_argument("node_id")
     p.add_argument("--tenant", required=True)
+    p = verb(nd, "revoke-identity", cmd_nodes_revoke_identity, client=True)
+    p.add_argument("node_id")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--reason", help="sent to the node with the revocation (default: revoked)")
+    p = verb(nd, "delete", cmd_nodes_delete, client=True)
+    p.add_argument("node_id")
+    p.add_argument("--tenant", required=True)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    os.umask(0o077)  # the store, logs and anything else we create: owner only
     args = build_parser().parse_args(argv)
     try:
         code: int = args.fn(args)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from control.ids import new_id
+from control.ids import iso, new_id
 from control.store import Row, Tx
 
 REFUSALS_PER_MINUTE = 60
@@ -103,7 +103,8 @@ def list_events(
             "id": r["id"],
             "type": r["type"],
             "payload": json.loads(r["payload"]),
-            "createdAt": r["created_at"],
+            "createdAt": iso(r["created_at"]),
+            "createdAtMs": r["created_at"],
         }
         for r in tx.query(sql, params)
     ]

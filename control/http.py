@@ -77,7 +77,7 @@ def error_response(
 
 
 def _internal_error() -> Response:
-    return error_response("UNAVAILABLE", "internal error", status=500)
+    return error_response("UNAVAILABLE", "internal error")
 
 
 async def serve(

@@ -5,10 +5,11 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from datetime import UTC, datetime
 
 from bcd.wire import secret_hash, secret_matches
 
-__all__ = ["new_id", "new_secret", "secret_hash", "secret_matches", "ulid"]
+__all__ = ["iso", "new_id", "new_secret", "secret_hash", "secret_matches", "ulid"]
 
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
 
@@ -31,3 +32,8 @@ def new_id(prefix: str) -> str:
 def new_secret() -> str:
     """256 random bits, base64url without padding (43 characters)."""
     return secrets.token_urlsafe(32)
+
+
+def iso(ms: int) -> str:
+    """RFC 3339 UTC with milliseconds, the API's one time format."""
+    return datetime.fromtimestamp(ms / 1000, UTC).strftime("%Y-%m-%dT%H:%M:%S.%f")[:-3] + "Z"

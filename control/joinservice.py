@@ -20,7 +20,7 @@ import base64
 import functools
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
@@ -203,15 +203,6 @@ class JoinService:
         placeholder = hw.hex is None or not hw.trusted or not hw.has_uuid_or_serial
         if attempt.attestor == JOIN_TOKEN and placeholder and not admit.expect:
             raise self._refuse(attempt, "placeholder-hardware", tenant)
-        pool = tx.one("SELECT * FROM pools WHERE id = ?", (admit.pool_id,))
-        if pool is None or pool["agent"] != "bcd":
-            raise self._refuse(attempt, "pool-agent", tenant)
-        if pool["tenant_id"] != tenant or pool["site_id"] != admit.site_id:
-            raise self._refuse(attempt, "pool-tenant", tenant)
-        policy = json.loads(pool["policy"])
-        allowed = policy.get("joinAttestors")
-        if isinstance(allowed, list) and attempt.attestor not in allowed:
-            raise self._refuse(attempt, "pool-attestor", tenant)
         existing = None
         if hw.trusted and hw.hex is not None:
             existing = tx.one(
@@ -219,7 +210,8 @@ class JoinService:
                 + tx.for_update,
                 (hw.hex,),
             )
-        role = self._cert_role(tx, admit, pool, existing)
+        pool = tx.one("SELECT * FROM pools WHERE id = ?", (admit.pool_id,))
+        role = self._cert_role(tx, admit, pool)
         if existing is not None:
             same_home = (
                 existing["tenant_id"] == tenant
@@ -229,6 +221,14 @@ class JoinService:
             )
             if not (admit.allow_reclaim and same_home) or existing["retired_at"] is not None:
                 raise self._refuse(attempt, "reclaim", tenant)
+        if pool is None or pool["agent"] != "bcd":
+            raise self._refuse(attempt, "pool-agent", tenant)
+        if pool["tenant_id"] != tenant or pool["site_id"] != admit.site_id:
+            raise self._refuse(attempt, "pool-tenant", tenant)
+        policy = json.loads(pool["policy"])
+        allowed = policy.get("joinAttestors")
+        if isinstance(allowed, list) and attempt.attestor not in allowed:
+            raise self._refuse(attempt, "pool-attestor", tenant)
         if request.node_id is not None and (existing is None or existing["id"] != request.node_id):
             raise self._refuse(attempt, "node-id", tenant)
         now_ms = tx.now_ms()
@@ -270,28 +270,15 @@ class JoinService:
             )
             revoke_node_certs(tx, tenant, node_id, "reclaimed")
         spiffe = pki.SpiffeId(crypto.trust_domain, admit.site_id, node_id)
-        ttl = min(crypto.cert_ttl_s, RAMDISK_TTL_MAX_S if role == "ramdisk" else CERT_TTL_MAX_S)
-        now = datetime.fromtimestamp(now_ms / 1000, UTC)
-        leaf = crypto.issue_leaf(pki.csr_public_key(csr), spiffe, role, admit.statements, now, ttl)
-        info = pki.leaf_info(leaf)
-        der = leaf.public_bytes(serialization.Encoding.DER)
-        tx.execute(
-            "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, "
-            "statements, allowed_kinds, not_before, not_after, created_at) "
-            "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (
-                info.serial_hex,
-                node_id,
-                generation,
-                role,
-                info.spki_sha256,
-                base64.b64encode(der).decode("ascii"),
-                json.dumps(list(info.statements)),
-                json.dumps(list(admit.allowed_kinds)),
-                int(info.not_before.timestamp() * 1000),
-                int(info.not_after.timestamp() * 1000),
-                now_ms,
-            ),
+        leaf, info = issue_recorded_leaf(
+            tx,
+            crypto,
+            pki.csr_public_key(csr),
+            spiffe,
+            role,
+            admit.statements,
+            admit.allowed_kinds,
+            generation,
         )
         reclaim = existing is not None
         payload = {
@@ -306,51 +293,30 @@ class JoinService:
         }
         events.publish(tx, tenant, "node.joined", payload)
         events.audit(tx, tenant, "node.reclaimed" if reclaim else "node.joined", node_id, payload)
-        body = {
-            "kind": "joined",
-            "node_id": node_id,
-            "site_id": admit.site_id,
-            "role": role,
-            "trust_domain": crypto.trust_domain,
-            "chain": pki.cert_pem(leaf) + crypto.chain_tail_pem,
-            "bundle": crypto.bundle_pem,
-            "trust_version": crypto.trust_version,
-            "csr_sha256": attempt.csr_sha256,
-            "server_time": now_ms,
-            "identity_generation": generation,
-        }
-        return wire.sign_response(body, crypto.signing_key)
+        return signed_identity(
+            crypto, "joined", spiffe, role, leaf, attempt.csr_sha256, now_ms, generation
+        )
 
-    def _cert_role(
-        self, tx: Tx, admit: Admit, pool: Mapping[str, Any], existing: Mapping[str, Any] | None
-    ) -> str:
+    def _cert_role(self, tx: Tx, admit: Admit, pool: Mapping[str, Any] | None) -> str:
         """``node-tenant`` for a hosted token unless the pool is platform-operated."""
-        if admit.role != "node" or admit.hosted is None:
+        if admit.role != "node" or admit.hosted is None or pool is None:
             return admit.role
         return "node" if platform_operated(tx, pool) else "node-tenant"
 
     def _record_refusal(self, attempt: _Attempt, refusal: Refused) -> None:
-        try:
-            with self.store.tx() as tx:
-                tenant = refusal.tenant_id or tenancy.root_tenant(tx)
-                if tenant is None:
-                    log.warning("join refused (%s) and no root tenant to tell", refusal.reason)
-                    return
-                events.publish_rate_limited(
-                    tx,
-                    tenant,
-                    "security.join.refused",
-                    f"join|{attempt.attestor}|{refusal.reason}",
-                    {
-                        "attestor": attempt.attestor,
-                        "reason": refusal.reason,
-                        "role": attempt.request.role,
-                        "csrSha256": attempt.csr_sha256,
-                        "hardwareKey": attempt.hw.hex,
-                    },
-                )
-        except Exception:  # the refusal itself must still reach the caller
-            log.exception("could not record a join refusal")
+        record_refusal(
+            self.store,
+            refusal,
+            "security.join.refused",
+            f"join|{attempt.attestor}|{refusal.reason}",
+            {
+                "attestor": attempt.attestor,
+                "reason": refusal.reason,
+                "role": attempt.request.role,
+                "csrSha256": attempt.csr_sha256,
+                "hardwareKey": attempt.hw.hex,
+            },
+        )
 
 
 def platform_operated(tx: Tx, pool: Mapping[str, Any]) -> bool:
@@ -366,10 +332,14 @@ def platform_operated(tx: Tx, pool: Mapping[str, Any]) -> bool:
     return root is None or root == pool["tenant_id"]
 
 
-def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> int:
-    """Revoke every live certificate of a node, with a security.certificate-revoked event each."""
+def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> list[str]:
+    """Revoke every live certificate of a node, with a security.certificate-revoked event each.
+
+    Returns the serials it revoked (none when every certificate already was).
+    """
     rows = tx.query(
-        "SELECT serial FROM node_certs WHERE node_id = ? AND revoked_at IS NULL", (node_id,)
+        "SELECT serial FROM node_certs WHERE node_id = ? AND revoked_at IS NULL ORDER BY serial",
+        (node_id,),
     )
     for row in rows:
         tx.execute(
@@ -382,4 +352,97 @@ def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> int:
             "security.certificate-revoked",
             {"nodeId": node_id, "serial": row["serial"], "reason": reason},
         )
-    return len(rows)
+    return [str(row["serial"]) for row in rows]
+
+
+# --- shared with renewal (control.renewal) --------------------------------------------
+
+
+def leaf_ttl_s(crypto: JoinCrypto, role: str) -> int:
+    return min(crypto.cert_ttl_s, RAMDISK_TTL_MAX_S if role == "ramdisk" else CERT_TTL_MAX_S)
+
+
+def issue_recorded_leaf(
+    tx: Tx,
+    crypto: JoinCrypto,
+    public_key: ec.EllipticCurvePublicKey,
+    spiffe: pki.SpiffeId,
+    role: str,
+    statements: Sequence[str],
+    allowed_kinds: Sequence[str],
+    generation: int,
+) -> tuple[x509.Certificate, pki.LeafInfo]:
+    """Issue a node leaf valid from ``compute_now()`` and record it as a node_certs row."""
+    now_ms = tx.now_ms()
+    now = datetime.fromtimestamp(now_ms / 1000, UTC)
+    leaf = crypto.issue_leaf(
+        public_key, spiffe, role, tuple(statements), now, leaf_ttl_s(crypto, role)
+    )
+    info = pki.leaf_info(leaf)
+    der = leaf.public_bytes(serialization.Encoding.DER)
+    tx.execute(
+        "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, "
+        "statements, allowed_kinds, not_before, not_after, created_at) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+        (
+            info.serial_hex,
+            spiffe.node_id,
+            generation,
+            role,
+            info.spki_sha256,
+            base64.b64encode(der).decode("ascii"),
+            json.dumps(list(info.statements)),
+            json.dumps(list(allowed_kinds)),
+            int(info.not_before.timestamp() * 1000),
+            int(info.not_after.timestamp() * 1000),
+            now_ms,
+        ),
+    )
+    return leaf, info
+
+
+def signed_identity(
+    crypto: JoinCrypto,
+    kind: str,
+    spiffe: pki.SpiffeId,
+    role: str,
+    leaf: x509.Certificate,
+    csr_sha256: str,
+    server_time_ms: int,
+    generation: int,
+) -> str:
+    """The SignedResponse of a ``joined`` or ``renewed`` answer."""
+    body = {
+        "kind": kind,
+        "node_id": spiffe.node_id,
+        "site_id": spiffe.site_id,
+        "role": role,
+        "trust_domain": crypto.trust_domain,
+        "chain": pki.cert_pem(leaf) + crypto.chain_tail_pem,
+        "bundle": crypto.bundle_pem,
+        "trust_version": crypto.trust_version,
+        "csr_sha256": csr_sha256,
+        "server_time": server_time_ms,
+        "identity_generation": generation,
+    }
+    return wire.sign_response(body, crypto.signing_key)
+
+
+def record_refusal(
+    store: Store, refusal: Refused, type_: str, rate_key: str, payload: dict[str, Any]
+) -> None:
+    """Publish a refusal event after the rollback, rate-limited per ``rate_key``.
+
+    It goes to ``refusal.tenant_id`` when set (the caller proved a secret or key),
+    else to the root tenant. A failure here is logged, never raised: the refusal
+    itself must still reach the caller.
+    """
+    try:
+        with store.tx() as tx:
+            tenant = refusal.tenant_id or tenancy.root_tenant(tx)
+            if tenant is None:
+                log.warning("%s (%s) and no root tenant to tell", type_, refusal.reason)
+                return
+            events.publish_rate_limited(tx, tenant, type_, rate_key, payload)
+    except Exception:
+        log.exception("could not record a refusal (%s)", type_)

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import json
-from datetime import UTC, datetime
 from typing import Any
 
 from bcd import hardware, wire
 from control import events, tenancy
 from control.errors import ControlError, StoreConflict, invalid, not_found
-from control.ids import new_id, new_secret
+from control.ids import iso, new_id, new_secret
 from control.store import Row, Tx
 
 TTL_MIN_S = 60
@@ -19,10 +18,6 @@ PAGE_DEFAULT = 100
 PAGE_MAX = 200
 TOKEN_ROLES = ("node", "site", "ramdisk")
 HOSTED_KINDS = ("kubernetes",)
-
-
-def iso(ms: int) -> str:
-    return datetime.fromtimestamp(ms / 1000, UTC).isoformat().replace("+00:00", "Z")
 
 
 def record(row: Row) -> dict[str, Any]:

@@ -426,6 +426,23 @@ def test_reclaim_may_name_its_own_node_id(world: World) -> None:
     assert world.join(again)["node_id"] == first["node_id"]
 
 
+def test_reclaim_through_a_hosted_token_lowers_the_node_to_node_tenant(world: World) -> None:
+    first = world.join(world.body(world.mint(), machine(12)))
+    assert first["role"] == "node"
+    token = world.mint(allow_reclaim=True, hosted="kubernetes")
+    second = world.join(world.body(token, machine(12)))
+    assert (second["node_id"], second["role"]) == (first["node_id"], "node-tenant")
+    (node,) = world.rows("SELECT role, identity_generation FROM nodes")
+    assert (node["role"], node["identity_generation"]) == ("node-tenant", 2)
+
+
+def test_join_refused_reclaim_of_a_retired_node(world: World) -> None:
+    world.join(world.body(world.mint(), machine(13)))
+    world.sql("UPDATE nodes SET retired_at = updated_at")
+    token = world.mint(allow_reclaim=True)
+    world.refused(world.body(token, machine(13)), "reclaim", routed_to=TENANT)
+
+
 def test_hosted_token_gives_role_node_tenant(world: World) -> None:
     body = world.join(world.body(world.mint(hosted="kubernetes"), machine(7)))
     assert body["role"] == "node-tenant"
@@ -663,7 +680,7 @@ def test_join_refused_node_id_of_another_node_on_reclaim(world: World) -> None:
 
 _NESTED_HEADER_BUG = pytest.mark.xfail(
     strict=True,
-    reason="bug: bcd/wire.py open_seal line 302 parses the protected header with json.loads "
+    reason="bug: bcd/wire.py open_seal parses the protected header with json.loads "
     "catching only ValueError/PkiError; a header nested deeper than the recursion limit "
     "raises RecursionError, which JoinService._prepare (catches only WireError) lets "
     "escape join() instead of refusing seal-invalid",
@@ -698,6 +715,19 @@ def test_join_refused_csr_invalid_for_an_unknown_key_algorithm(world: World) -> 
     ec_public_key_oid = bytes.fromhex("06072a8648ce3d0201")  # 1.2.840.10045.2.1
     csr = bpki.make_csr(key).replace(ec_public_key_oid, bytes.fromhex("06072a8648ce3d0209"))
     attempt = world.body(world.mint(), machine(43), key=key, csr_der=csr)
+    world.refused(attempt, "csr-invalid", routed_to=TENANT)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="bug: bcd/pki.py parse_csr does not catch cryptography.x509.InvalidVersion; a CSR "
+    "whose version is 1 escapes JoinService._issue as InvalidVersion (HTTP 500, no refusal "
+    "event) instead of the uniform refusal csr-invalid",
+)
+def test_join_refused_csr_invalid_for_a_csr_of_an_unknown_version(world: World) -> None:
+    key = bpki.generate_key()
+    csr = bpki.make_csr(key).replace(b"\x02\x01\x00", b"\x02\x01\x01", 1)
+    attempt = world.body(world.mint(), machine(45), key=key, csr_der=csr)
     world.refused(attempt, "csr-invalid", routed_to=TENANT)
 
 

@@ -68,6 +68,15 @@ REQUEST_KEYS = (
     "round",
     "answer",
 )
+claim_value = {
+    k: (
+        st.lists(st.text(max_size=300), max_size=70)
+        if k in ("macs", "gpu_uuids")
+        else st.text(max_size=300)
+    )
+    | json_values
+    for k in wire.CLAIM_KEYS
+}
 # objects shaped like a JoinRequest: every known key may hold a plausible or odd value
 plausible = {
     "protocol": st.sampled_from([1, 1.0, True, 2, "1", None]) | json_values,
@@ -77,24 +86,34 @@ plausible = {
     "csr": st.sampled_from([base64.b64encode(CSR_DER).decode(), "", "!!", "QQ=", "é"])
     | st.text(max_size=30)
     | json_values,
-    "claims": st.fixed_dictionaries(
-        {}, optional={k: json_values | st.text(max_size=300) for k in wire.CLAIM_KEYS}
-    )
-    | json_values,
+    "claims": st.fixed_dictionaries({}, optional=claim_value) | json_values,
     "evidence": json_values,
     "node_id": st.text(max_size=70) | json_values,
     "daemon_version": st.text(max_size=70) | json_values,
     "round": st.integers(min_value=-2, max_value=5) | json_values,
     "answer": json_values,
 }
-request_like = st.fixed_dictionaries({}, optional=plausible)
-claims_like = st.fixed_dictionaries(
-    {},
-    optional={
-        **{k: st.text(max_size=300) | json_values for k in wire.CLAIM_KEYS},
-        "unknown": json_values,
+VALID_REQUEST = JoinRequest(
+    role="node",
+    attestor="",
+    sealed_token=None,
+    csr_der=CSR_DER,
+    claims=Claims(product_uuid="4c4c4544-0042-3510-8052-b7c04f4d4433", macs=("00:1b:21:0a:0b:0c",)),
+    evidence={},
+    node_id=None,
+    daemon_version="0.1.0",
+).to_json()
+# a valid request with a few members replaced by plausible or odd values, or dropped
+request_like = st.builds(
+    lambda changes, dropped: {
+        k: v for k, v in {**VALID_REQUEST, **changes}.items() if k not in dropped
     },
+    st.dictionaries(st.sampled_from(REQUEST_KEYS), st.none(), max_size=3).flatmap(
+        lambda keys: st.fixed_dictionaries({k: plausible[k] for k in keys})
+    ),
+    st.sets(st.sampled_from(REQUEST_KEYS), max_size=2),
 )
+claims_like = st.fixed_dictionaries({}, optional={**claim_value, "unknown": json_values})
 b64url_text = st.text(alphabet=B64URL, max_size=80)
 five_parts = st.lists(b64url_text, min_size=5, max_size=5).map(".".join)
 three_parts = st.lists(b64url_text, min_size=3, max_size=3).map(".".join)
@@ -436,7 +455,7 @@ def test_a_seal_holding_something_else_than_a_token_does_not_open() -> None:
             marks=pytest.mark.xfail(
                 strict=True,
                 raises=RecursionError,
-                reason="bug: bcd/wire.py open_seal line 302: json.loads of a deeply nested "
+                reason="bug: bcd/wire.py open_seal: json.loads of a deeply nested "
                 "protected header raises RecursionError (caught: ValueError, PkiError only)",
             ),
         ),
@@ -448,7 +467,7 @@ def test_a_seal_holding_something_else_than_a_token_does_not_open() -> None:
             marks=pytest.mark.xfail(
                 strict=True,
                 raises=RecursionError,
-                reason="bug: bcd/wire.py open_seal line 302: json.loads of a deeply nested "
+                reason="bug: bcd/wire.py open_seal: json.loads of a deeply nested "
                 "protected header raises RecursionError (caught: ValueError, PkiError only)",
             ),
         ),
@@ -505,7 +524,7 @@ def test_verify_response_refuses_an_unknown_kind() -> None:
 @pytest.mark.xfail(
     strict=True,
     raises=RecursionError,
-    reason="bug: bcd/wire.py verify_response lines 349/356: json.loads of a deeply nested "
+    reason="bug: bcd/wire.py verify_response: json.loads of a deeply nested "
     "header or body raises RecursionError (caught: ValueError, PkiError only)",
 )
 def test_verify_response_deeply_nested_header_raises_wire_error() -> None:
@@ -552,6 +571,29 @@ def test_parse_csr_refuses_an_unknown_key_algorithm() -> None:
     der = CSR_DER.replace(ec_public_key_oid, bytes.fromhex("06072a8648ce3d0209"))
     with pytest.raises(pki.PkiError):
         pki.parse_csr(der)
+
+
+_CSR_VERSION_BUG = (
+    "bug: bcd/pki.py parse_csr catches ValueError/TypeError/UnsupportedAlgorithm only; "
+    "x509.load_der_x509_csr raises cryptography.x509.InvalidVersion (an Exception, not a "
+    "ValueError) for a CSR whose version is not 0, so it escapes instead of PkiError"
+)
+
+
+@pytest.mark.xfail(strict=True, raises=x509.InvalidVersion, reason=_CSR_VERSION_BUG)
+def test_parse_csr_refuses_a_csr_of_an_unknown_version() -> None:
+    assert CSR_DER.index(b"\x02\x01\x00") == 5  # SEQUENCE { SEQUENCE { INTEGER 0 (version)
+    with pytest.raises(pki.PkiError):
+        pki.parse_csr(CSR_DER.replace(b"\x02\x01\x00", b"\x02\x01\x01", 1))
+
+
+@pytest.mark.xfail(strict=True, raises=x509.InvalidVersion, reason=_CSR_VERSION_BUG)
+def test_parse_csr_every_single_byte_flip_raises_pki_error_or_parses() -> None:
+    for i in range(len(CSR_DER)):
+        for bit in (0x01, 0x02, 0x80, 0xFF):
+            mutated = CSR_DER[:i] + bytes([CSR_DER[i] ^ bit]) + CSR_DER[i + 1 :]
+            with contextlib.suppress(pki.PkiError):
+                pki.parse_csr(mutated)
 
 
 # --- small pieces ---------------------------------------------------------------------

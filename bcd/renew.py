@@ -1,0 +1,464 @@
+"""The renewal task (seed 003, "Renewal"): a new key and certificate at 60 % of the leaf.
+
+:func:`renew_once` is the seed's renewOnce for a file key (the TPM parts come with
+the TPM issue):
+
+1. a new P-256 key;
+2. node.key.next written first, then the request: a new CSR, the current chain,
+   the client time and the proof of possession by the current key
+   (:func:`bcd.pki.renew_pop_message`);
+3. the answer checked (:func:`verify_renewed`): the signature under the pinned
+   join-signing key, kind ``renewed``, this CSR, the new key, and the same node,
+   site, trust domain and role as the current leaf;
+4. stored in the seed's order (:func:`bcd.identity.store_renewal`: node.key.next
+   again, identity.json, node.key.next renamed over node.key), so a crash at any
+   instant leaves a key and certificate that :func:`bcd.identity.load_state` matches.
+
+:func:`renewal_task` sleeps until :func:`renew_at`, renews, and reschedules; a failed
+renewal is logged as ``renewal failed`` with the attempt and ``expiresIn`` and retried
+after 30 s, doubling to 10 minutes, or exactly after the gateway's
+``retry-pushback-ms``. :class:`~bcd.errors.CertificateRevoked` (the gateway answered
+UNAUTHENTICATED) ends the task. A replaced key is held by :class:`OldKeys` for 5
+minutes, then dropped. Time comes from trio's clock (sleeps) and an injected wall
+clock (certificate times), so tests run it under ``MockClock``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+import trio
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import pki, wire
+from bcd.config import Config, gateway_host_port
+from bcd.errors import BcdError, CertificateRevoked, IdentityError, JoinError, RetryableError
+from bcd.httpclient import Response, request
+from bcd.identity import (
+    Identity,
+    LoadedState,
+    format_time,
+    load_state,
+    make_identity,
+    store_renewal,
+    write_next_key,
+)
+from bcd.join import check_issued, verify_signed
+from bcd.keys.file import generate_file_key, key_to_pem
+from bcd.tls import connect_pinned
+
+RENEW_FRACTION = 0.6
+BACKOFF_FIRST_S = 30.0
+BACKOFF_MAX_S = 600.0
+OLD_KEY_HOLD_S = 300.0
+# The longest single sleep: the wall clock is read again after it, so a suspended
+# machine or a stepped clock delays a renewal by at most this much.
+MAX_NAP_S = 60.0
+RENEW_PATH = "/v1/renew"
+REFUSED = "the control plane refused the renewal (ACCESS_DENIED: Renew refused)"
+REVOKED = (
+    "the gateway does not accept this node's certificate (UNAUTHENTICATED): it is "
+    "revoked or unknown; join again: bcd join --reset --yes, then bcd join"
+)
+EXPIRED_HINT = "the certificate has expired; join again: bcd join --reset --yes, then bcd join"
+
+Sender = Callable[[bytes], Awaitable[str]]
+SenderFactory = Callable[[LoadedState], Sender]
+Recorder = Callable[[str, dict[str, Any]], Awaitable[object]]
+
+
+# --- pure parts -------------------------------------------------------------------
+
+
+def renew_at(
+    not_before: datetime, not_after: datetime, fraction: float = RENEW_FRACTION
+) -> datetime:
+    """When to renew: ``fraction`` (60 %) of the way through the leaf's lifetime."""
+    if not 0 < fraction < 1:
+        raise ValueError("the renewal fraction is between 0 and 1")
+    if not_after <= not_before:
+        raise ValueError("the certificate's lifetime is empty")
+    return not_before + (not_after - not_before) * fraction
+
+
+def backoff_s(attempt: int) -> float:
+    """The wait after failed attempt ``attempt`` (1-based): 30 s doubling to 10 minutes."""
+    if attempt < 1:
+        raise ValueError("attempts count from 1")
+    return float(min(BACKOFF_FIRST_S * 2.0 ** min(attempt - 1, 32), BACKOFF_MAX_S))
+
+
+def format_duration(seconds: float) -> str:
+    """``5h12m``, ``12m30s``, ``45s``; negative (already expired) with a leading ``-``."""
+    sign = "-" if seconds < 0 else ""
+    total = math.floor(abs(seconds))
+    hours, rest = divmod(total, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{sign}{hours}h{minutes}m"
+    if minutes:
+        return f"{sign}{minutes}m{secs}s"
+    return f"{sign}{secs}s"
+
+
+def build_request(
+    state: LoadedState, next_key: ec.EllipticCurvePrivateKey, client_time_ms: int
+) -> tuple[bytes, wire.RenewRequest]:
+    """The CSR for ``next_key`` and the RenewRequest proving the current key."""
+    csr_der = pki.make_csr(next_key)
+    message = pki.renew_pop_message(csr_der, state.identity.node_id, client_time_ms)
+    return csr_der, wire.RenewRequest(
+        csr_der=csr_der,
+        chain=state.identity.chain,
+        client_time_ms=client_time_ms,
+        pop_sig=pki.sign_p1363(state.key, message),
+    )
+
+
+def verify_renewed(
+    signed: str,
+    *,
+    signing_pin: str,
+    csr_der: bytes,
+    key: ec.EllipticCurvePublicKey,
+    current: pki.LeafInfo,
+) -> dict[str, Any]:
+    """Check a renewal answer; return its body or raise :class:`~bcd.errors.JoinError`.
+
+    The signature under the pinned join-signing key, kind ``renewed``, ``csr_sha256``
+    of this CSR, a leaf certifying ``key``, and the ``current`` leaf's SPIFFE ID
+    (node, site, trust domain) and role.
+    """
+    body = verify_signed(signed, signing_pin=signing_pin, what="renewal")
+    if body.get("kind") != "renewed":
+        raise JoinError(f"the renewal answer is of kind {body.get('kind')!r}, not 'renewed'")
+    check_issued(
+        body,
+        csr_der=csr_der,
+        key=key,
+        roles=(current.role,),
+        expected=current.spiffe,
+        what="renewal",
+    )
+    return body
+
+
+def renewed_identity(state: LoadedState, body: dict[str, Any]) -> Identity:
+    """The Identity of a verified ``renewed`` body.
+
+    Trust version, bundle and server time come from the answer when it carries them,
+    else from the current identity; so does the identity generation.
+    """
+    current = state.identity
+    trust_version = body.get("trust_version")
+    bundle = body.get("bundle")
+    generation = body.get("identity_generation")
+    server_ms = body.get("server_time")
+    server_time = current.server_time
+    if isinstance(server_ms, int) and not isinstance(server_ms, bool) and server_ms >= 0:
+        server_time = format_time(datetime.fromtimestamp(server_ms / 1000, UTC))
+    return make_identity(
+        chain=body["chain"],
+        bundle=bundle if isinstance(bundle, str) and bundle else current.bundle,
+        trust_version=_count_or(trust_version, current.trust_version),
+        server_time=server_time,
+        key="file",
+        identity_generation=_count_or(generation, current.identity_generation),
+    )
+
+
+def _count_or(value: object, default: int) -> int:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    return default
+
+
+# --- renewOnce --------------------------------------------------------------------
+
+
+async def renew_once(
+    state: LoadedState,
+    send: Sender,
+    *,
+    signing_pin: str,
+    wall: Callable[[], float],
+) -> LoadedState:
+    """Renew once (the seed's renewOnce); return the new state, stored on disk.
+
+    Raises :class:`~bcd.errors.BcdError` when the renewal failed; the identity on
+    disk is then still ``state``'s (a stale node.key.next is removed by the next
+    load, or overwritten by the next attempt).
+    """
+    next_key = generate_file_key()
+    next_pem = key_to_pem(next_key)
+    await trio.to_thread.run_sync(write_next_key, state.data_dir, next_pem)
+    csr_der, req = build_request(state, next_key, int(wall() * 1000))
+    signed = await send(wire.dumps(req.to_json()))
+    body = verify_renewed(
+        signed,
+        signing_pin=signing_pin,
+        csr_der=csr_der,
+        key=next_key.public_key(),
+        current=state.leaf_info,
+    )
+    identity = renewed_identity(state, body)
+    try:
+        await trio.to_thread.run_sync(store_renewal, state.data_dir, identity, next_pem)
+    except IdentityError:
+        # Part of the store may have happened: settle the directory the way a restart
+        # would, and go on with whatever it holds now.
+        settled = await trio.to_thread.run_sync(_reload, state.data_dir)
+        if settled is not None and settled.identity == identity:
+            return settled
+        raise
+    leaf = identity.leaf()
+    return LoadedState(
+        data_dir=state.data_dir,
+        identity=identity,
+        key=next_key,
+        leaf=leaf,
+        leaf_info=pki.leaf_info(leaf),
+    )
+
+
+def _reload(data_dir: Path) -> LoadedState | None:
+    try:
+        return load_state(data_dir)
+    except BcdError:
+        return None
+
+
+# --- the gateway ------------------------------------------------------------------
+
+
+def renew_answer(resp: Response) -> str:
+    """Map the gateway's answer to POST /v1/renew: the SignedResponse, or an error.
+
+    UNAUTHENTICATED is :class:`~bcd.errors.CertificateRevoked`; UNAVAILABLE and
+    RESOURCE_EXHAUSTED are :class:`~bcd.errors.RetryableError` with the
+    ``retry-pushback-ms`` wait; ACCESS_DENIED and the rest are
+    :class:`~bcd.errors.JoinError` (the renewal task retries those too).
+    """
+    if resp.status == 200:
+        return resp.body.decode("ascii", "replace")
+    err = wire.parse_error(resp.body)
+    if err is None:
+        raise RetryableError(f"the gateway answered HTTP {resp.status}")
+    if err.code == "UNAUTHENTICATED":
+        raise CertificateRevoked(REVOKED)
+    if err.code in wire.RETRYABLE:
+        pushback = resp.headers.get("retry-pushback-ms", "").strip()
+        wait = int(pushback) / 1000 if pushback.isdigit() and len(pushback) <= 9 else None
+        raise RetryableError(f"{err.code}: {err.message}", wait)
+    if err.code == "ACCESS_DENIED":
+        raise JoinError(REFUSED)
+    raise JoinError(f"the renewal failed: {err.code}: {err.message}")
+
+
+def gateway_renew_sender(cfg: Config, state: LoadedState) -> Sender:
+    """POST /v1/renew over mutual TLS pinned to the serving CA, as ``state``'s identity.
+
+    The client certificate is ``state``'s chain and key: build a new sender from the
+    new state after a renewal (:func:`renewal_task` does, per attempt).
+    """
+    host, port = gateway_host_port(cfg)
+    client_cert = (state.identity.chain, key_to_pem(state.key))
+
+    async def send(body: bytes) -> str:
+        stream = await connect_pinned(
+            host, port, cfg.server_name, cfg.serving_ca_spki_pin, client_cert=client_cert
+        )
+        try:
+            resp = await request(
+                stream,
+                "POST",
+                RENEW_PATH,
+                cfg.server_name,
+                body,
+                headers=[("content-type", "application/json")],
+            )
+        finally:
+            await trio.aclose_forcefully(stream)
+        return renew_answer(resp)
+
+    return send
+
+
+# --- the old key ------------------------------------------------------------------
+
+
+class OldKeys:
+    """Node keys a renewal replaced, each held ``hold_s`` seconds (trio clock), then dropped.
+
+    Nothing may still be signing with a key when it goes: a handshake or statement
+    started just before the renewal finishes with the old key in that time.
+    ``on_unload`` is called with each key as it goes (a TPM key flushes its handle).
+    """
+
+    def __init__(
+        self,
+        hold_s: float = OLD_KEY_HOLD_S,
+        on_unload: Callable[[ec.EllipticCurvePrivateKey], None] | None = None,
+    ) -> None:
+        self.hold_s = hold_s
+        self._on_unload = on_unload
+        self._held: list[tuple[float, ec.EllipticCurvePrivateKey]] = []
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def keys(self) -> tuple[ec.EllipticCurvePrivateKey, ...]:
+        return tuple(key for _, key in self._held)
+
+    def retire(self, key: ec.EllipticCurvePrivateKey, now: float) -> None:
+        """Hold ``key`` until ``now + hold_s`` (trio time)."""
+        self._held.append((now + self.hold_s, key))
+
+    def next_due(self) -> float | None:
+        """The trio time at which the next key goes, if one is held."""
+        return min((due for due, _ in self._held), default=None)
+
+    def unload_due(self, now: float) -> int:
+        """Drop every key whose time has come; return how many went."""
+        going = [key for due, key in self._held if due <= now]
+        self._held = [(due, key) for due, key in self._held if due > now]
+        for key in going:
+            if self._on_unload is not None:
+                self._on_unload(key)
+        return len(going)
+
+
+async def _pause(seconds: float, old_keys: OldKeys, log: logging.Logger) -> None:
+    """Sleep ``seconds`` of trio time, waking to unload old keys when they are due."""
+    end = trio.current_time() + max(seconds, 0.0)
+    while True:
+        if old_keys.unload_due(trio.current_time()):
+            log.info("the previous node key was unloaded")
+        due = old_keys.next_due()
+        wake = end if due is None else min(end, due)
+        if trio.current_time() >= end:
+            await trio.lowlevel.checkpoint()
+            return
+        await trio.sleep_until(wake)
+
+
+# --- the task ---------------------------------------------------------------------
+
+
+async def renewal_task(
+    get_state: Callable[[], LoadedState],
+    set_state: Callable[[LoadedState], None],
+    send_factory: SenderFactory,
+    *,
+    signing_pin: str,
+    wall: Callable[[], float],
+    log: logging.Logger,
+    old_keys: OldKeys | None = None,
+    record: Recorder | None = None,
+    fraction: float = RENEW_FRACTION,
+) -> NoReturn:
+    """Keep the identity fresh forever; only :class:`~bcd.errors.CertificateRevoked` ends it.
+
+    Each round reads the current state, sleeps (trio clock) until :func:`renew_at` by
+    the ``wall`` clock (unix seconds, read again at least every :data:`MAX_NAP_S`),
+    and renews with a sender made by ``send_factory`` from that state. Success:
+    ``set_state`` with the new state, the old key to ``old_keys`` for 5 minutes, and
+    ``record("renewed", …)`` (the journal) when given. Failure: ``renewal failed``
+    logged with the attempt and ``expiresIn``, then the backoff or the pushback.
+    Any exception that is not a :class:`~bcd.errors.BcdError` is a bug and ends the
+    task too.
+    """
+    keys = old_keys if old_keys is not None else OldKeys()
+    attempt = 0
+    while True:
+        state = get_state()
+        if attempt == 0:
+            info = state.leaf_info
+            remaining = renew_at(info.not_before, info.not_after, fraction).timestamp() - wall()
+            if remaining > 0:
+                await _pause(min(remaining, MAX_NAP_S), keys, log)
+                continue
+        attempt += 1
+        try:
+            new = await renew_once(state, send_factory(state), signing_pin=signing_pin, wall=wall)
+        except CertificateRevoked:
+            raise
+        except BcdError as exc:
+            wait = _failed(state, exc, attempt, wall, log)
+            if isinstance(exc, IdentityError):
+                await _adopt_disk_state(state, set_state, log)
+            await _pause(wait, keys, log)
+            continue
+        set_state(new)
+        keys.retire(state.key, trio.current_time())
+        attempt = 0
+        log.info(
+            "renewed: certificate %s valid until %s",
+            new.leaf_info.serial_hex,
+            new.identity.not_after,
+        )
+        if record is not None:
+            await _record(record, state, new, log)
+
+
+def _failed(
+    state: LoadedState,
+    exc: BcdError,
+    attempt: int,
+    wall: Callable[[], float],
+    log: logging.Logger,
+) -> float:
+    """Log ``renewal failed``; return how long to wait before the next attempt."""
+    expires_in = state.leaf_info.not_after.timestamp() - wall()
+    text = format_duration(expires_in)
+    reason = f"{exc}; {EXPIRED_HINT}" if expires_in <= 0 else str(exc)
+    log.warning(
+        "renewal failed (attempt %d, expiresIn %s): %s",
+        attempt,
+        text,
+        reason,
+        extra={"attempt": attempt, "expiresIn": text, "expiresInSeconds": int(expires_in)},
+    )
+    pushback = exc.pushback_s if isinstance(exc, RetryableError) else None
+    return pushback if pushback is not None else backoff_s(attempt)
+
+
+async def _adopt_disk_state(
+    state: LoadedState, set_state: Callable[[LoadedState], None], log: logging.Logger
+) -> None:
+    """After a storage failure, go on with what the data directory holds (settled).
+
+    Only a newer certificate of this same node is adopted; anything else on disk is
+    left for the next start to judge.
+    """
+    on_disk = await trio.to_thread.run_sync(_reload, state.data_dir)
+    if (
+        on_disk is not None
+        and on_disk.identity != state.identity
+        and on_disk.identity.spiffe_id == state.identity.spiffe_id
+        and on_disk.identity.role == state.identity.role
+    ):
+        log.warning("the identity on disk moved on; using it (%s)", on_disk.identity.not_after)
+        set_state(on_disk)
+
+
+async def _record(
+    record: Recorder, old: LoadedState, new: LoadedState, log: logging.Logger
+) -> None:
+    try:
+        await record(
+            "renewed",
+            {
+                "previousSerial": old.leaf_info.serial_hex,
+                "serial": new.leaf_info.serial_hex,
+                "notAfter": new.identity.not_after,
+                "spkiSha256": new.leaf_info.spki_sha256,
+            },
+        )
+    except BcdError as exc:
+        log.warning("the renewal could not be written to the journal: %s", exc)

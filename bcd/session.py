@@ -1,0 +1,120 @@
+"""The session task: Hello over mutual TLS, then the gateway's stream.
+
+The session is opened with the current certificate (read from the state holder
+at every dial, so a renewed key is used from the next connection on). A broken
+session is redialled with backoff (1 s doubling to 60 s, reset once a welcome
+arrives). A RevocationNotice is logged as ``certificate revoked`` with its reason
+and raised as :class:`~bcd.errors.CertificateRevoked`, which stops the agent: it
+never redials with that certificate. An UNAUTHENTICATED answer at session open
+means the gateway no longer accepts the certificate, and stops the agent the same
+way.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from bcd import __version__, wire
+from bcd.config import Config, gateway_host_port
+from bcd.errors import CertificateRevoked, TransportError
+from bcd.httpclient import open_lines
+from bcd.identity import LoadedState
+from bcd.keys.file import key_to_pem
+from bcd.tls import connect_pinned
+
+log = logging.getLogger("bcd.session")
+
+BACKOFF_FIRST_S = 1.0
+BACKOFF_MAX_S = 60.0
+IDLE_TIMEOUT_S = 50.0  # three pings missed and a bit
+
+
+@dataclass(frozen=True, slots=True)
+class SessionInfo:
+    journal_id: str
+    boot_id: str
+
+
+async def _one_session(cfg: Config, state: LoadedState, info: SessionInfo) -> bool:
+    """Run one session until it breaks; return whether a welcome arrived."""
+    host, port = gateway_host_port(cfg)
+    client_cert = (state.identity.chain, key_to_pem(state.key))
+    stream = await connect_pinned(
+        host, port, cfg.server_name, cfg.serving_ca_spki_pin, client_cert=client_cert
+    )
+    hello = wire.Hello(
+        node_id=state.identity.node_id,
+        journal_id=info.journal_id,
+        boot_id=info.boot_id,
+        daemon_version=__version__,
+    )
+    welcomed = False
+    try:
+        status, _headers, lines = await open_lines(
+            stream,
+            "POST",
+            "/v1/session",
+            cfg.server_name,
+            wire.dumps(hello.to_json()),
+            headers=[("content-type", "application/json")],
+            idle_timeout=IDLE_TIMEOUT_S,
+        )
+        try:
+            if status != 200:
+                first = b"".join([line async for line in lines])
+                err = wire.parse_error(first)
+                if status == 401 or (err is not None and err.code == "UNAUTHENTICATED"):
+                    raise CertificateRevoked(
+                        "the gateway no longer accepts this node's certificate"
+                    )
+                raise TransportError(f"the gateway refused the session (HTTP {status})")
+            async for line in lines:
+                try:
+                    msg = json.loads(line)
+                except ValueError:
+                    log.warning("session: the gateway sent a line that is not JSON")
+                    continue
+                kind = msg.get("type") if isinstance(msg, dict) else None
+                if kind == "welcome":
+                    welcomed = True
+                    log.info("session open (%s)", msg.get("session_id"))
+                elif kind == "revocation":
+                    reason = str(msg.get("reason", "revoked"))[:200]
+                    log.error(
+                        "certificate revoked (reason: %s, serial %s)", reason, msg.get("serial")
+                    )
+                    raise CertificateRevoked(reason)
+        finally:
+            await lines.aclose()
+    finally:
+        await stream.aclose()
+    return welcomed
+
+
+async def session_task(
+    cfg: Config,
+    get_state: Callable[[], LoadedState],
+    info: SessionInfo,
+    *,
+    rng: random.Random | None = None,
+) -> None:
+    """Keep a session open until the certificate is revoked (raises CertificateRevoked)."""
+    rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
+    delay = BACKOFF_FIRST_S
+    while True:
+        try:
+            if await _one_session(cfg, get_state(), info):
+                delay = BACKOFF_FIRST_S
+            reason = "the gateway closed the session"
+        except TransportError as exc:
+            reason = str(exc)
+        wait = delay * (0.5 + rng.random() / 2)
+        log.warning("session lost (%s); reconnecting in %.1f s", reason, wait)
+        await trio.sleep(wait)
+        delay = min(delay * 2, BACKOFF_MAX_S)

@@ -1,0 +1,198 @@
+"""The gateway: the TLS front door for nodes.
+
+``POST /v1/join`` (server-auth TLS) relays to JoinService; ``POST /v1/renew`` and
+``POST /v1/session`` need the node's client certificate. TLS asks for it optionally
+and the application decides (STACK-NOTES): a certificate that is not a live
+node_certs row — unknown, revoked, expired — is answered UNAUTHENTICATED before
+anything else, at renew and at session open. Renewals are limited to 6 per node and
+hour (RESOURCE_EXHAUSTED with ``retry-pushback-ms``).
+
+A session is the gateway's stream of JSON lines: a welcome, a ping every 15 s, and
+the RevocationNotice when the certificate it was opened with is revoked; the
+stream closes after the notice. Revocations are found by polling the store (every
+gateway does, so a revocation made through any replica reaches every session).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import secrets
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import trio
+
+from bcd import wire
+from control import renewal
+from control.errors import ControlError, Refused
+from control.http import Request, Response, error_response
+from control.joinservice import JoinService
+from control.store import Store, Tx
+
+log = logging.getLogger("control.gateway")
+
+PING_INTERVAL_S = 15.0
+REVOCATION_POLL_S = 1.0
+T = TypeVar("T")
+
+
+@dataclass
+class _Session:
+    node_id: str
+    serial: str
+    send: trio.MemorySendChannel[dict[str, Any]]
+
+
+@dataclass
+class Gateway:
+    store: Store
+    joinservice: JoinService
+    renewservice: renewal.RenewService
+    limiter: trio.CapacityLimiter
+    ping_interval_s: float = PING_INTERVAL_S
+    sessions: dict[str, list[_Session]] = field(default_factory=dict)
+
+    async def _run(self, fn: Callable[[Tx], T]) -> T:
+        def work() -> T:
+            with self.store.tx() as tx:
+                return fn(tx)
+
+        return await trio.to_thread.run_sync(work, limiter=self.limiter)
+
+    async def handle(self, req: Request) -> Response:
+        try:
+            if req.method == "POST" and req.path == "/v1/join":
+                return await self._join(req)
+            if req.method == "POST" and req.path == "/v1/renew":
+                return await self._renew(req)
+            if req.method == "POST" and req.path == "/v1/session":
+                return await self._session(req)
+        except Refused as exc:
+            return error_response("ACCESS_DENIED", exc.message)
+        except ControlError as exc:
+            headers = []
+            if exc.retry_after_ms is not None:
+                headers.append(("retry-pushback-ms", str(exc.retry_after_ms)))
+            return error_response(exc.code, exc.message, headers)
+        return error_response("NOT_FOUND", "no such path")
+
+    async def _join(self, req: Request) -> Response:
+        signed = await trio.to_thread.run_sync(
+            self.joinservice.join, req.body, limiter=self.limiter
+        )
+        return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
+
+    async def _peer(self, req: Request) -> tuple[str, str]:
+        der = req.peer_cert_der
+        if der is None:
+            raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
+        peer = await self._run(lambda tx: renewal.peer_status(tx, der))
+        if peer is None:
+            raise ControlError("UNAUTHENTICATED", "this certificate is not a live node certificate")
+        return peer
+
+    async def _renew(self, req: Request) -> Response:
+        node_id, _serial = await self._peer(req)
+        pushback = await self._run(lambda tx: renewal.check_renew_rate(tx, node_id))
+        if pushback is not None:
+            raise ControlError(
+                "RESOURCE_EXHAUSTED",
+                "at most 6 renewals per node and hour",
+                retry_after_ms=pushback,
+            )
+        signed = await trio.to_thread.run_sync(
+            self.renewservice.renew, req.body, req.peer_cert_der, limiter=self.limiter
+        )
+        return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
+
+    async def _session(self, req: Request) -> Response:
+        node_id, serial = await self._peer(req)
+        try:
+            hello = wire.parse_hello(wire.loads_object(req.body))
+        except wire.WireError as exc:
+            raise ControlError("INVALID_ARGUMENT", f"malformed Hello: {exc}") from exc
+        if hello.node_id != node_id:
+            raise ControlError("ACCESS_DENIED", "the Hello names another node")
+        send, receive = trio.open_memory_channel[dict[str, Any]](8)
+        session = _Session(node_id, serial, send)
+        self.sessions.setdefault(serial, []).append(session)
+        session_id = "sess_" + secrets.token_hex(8)
+        log.info(
+            "session %s open for %s (journal %s, daemon %s)",
+            session_id,
+            node_id,
+            hello.journal_id,
+            hello.daemon_version,
+        )
+        return Response(
+            200,
+            headers=[("content-type", "application/x-ndjson")],
+            stream=self._stream(session, session_id, receive),
+        )
+
+    async def _stream(
+        self,
+        session: _Session,
+        session_id: str,
+        receive: trio.MemoryReceiveChannel[dict[str, Any]],
+    ) -> AsyncIterator[bytes]:
+        try:
+            yield _line({"type": "welcome", "session_id": session_id})
+            while True:
+                with trio.move_on_after(self.ping_interval_s):
+                    notice = await receive.receive()
+                    yield _line(notice)
+                    if notice.get("type") == "revocation":
+                        return
+                    continue
+                yield _line({"type": "ping"})
+        finally:
+            peers = self.sessions.get(session.serial, [])
+            if session in peers:
+                peers.remove(session)
+            if not peers:
+                self.sessions.pop(session.serial, None)
+            log.info("session %s closed", session_id)
+
+    async def revocation_poller(self, *, interval_s: float = REVOCATION_POLL_S) -> None:
+        """Push a RevocationNotice to every live session whose certificate was revoked."""
+        since = await self._run(lambda tx: tx.now_ms())
+        seen: dict[str, int] = {}
+        while True:
+            await trio.sleep(interval_s)
+            # Overlap the window by a second: a revocation committed late with an
+            # earlier timestamp is still found; ``seen`` keeps it from being sent twice.
+            mark = since - 1000
+            try:
+                rows = await self._run(functools.partial(renewal.revoked_since, since_ms=mark))
+            except Exception:  # the store may be briefly unavailable; try again
+                log.exception("revocation poll failed")
+                continue
+            for row in rows:
+                at = int(row["revoked_at"])
+                since = max(since, at)
+                if row["serial"] in seen:
+                    continue
+                seen[row["serial"]] = at
+                for session in list(self.sessions.get(row["serial"], [])):
+                    notice = {
+                        "type": "revocation",
+                        "reason": row["revoke_reason"] or "revoked",
+                        "serial": row["serial"],
+                    }
+                    try:
+                        session.send.send_nowait(notice)
+                    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+                        log.warning(
+                            "could not deliver a revocation to a session of %s", session.node_id
+                        )
+            for serial, at in list(seen.items()):
+                if at < since - 5000:
+                    del seen[serial]
+
+
+def _line(obj: dict[str, Any]) -> bytes:
+    return json.dumps(obj, separators=(",", ":")).encode() + b"\n"

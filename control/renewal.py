@@ -1,0 +1,346 @@
+"""JoinService.Renew, and what the gateway asks of the store about node certificates.
+
+Renew judges one RenewRequest in one transaction, in this order (the seed's checks;
+every refusal is the same ``ACCESS_DENIED`` / ``Renew refused`` to the caller):
+
+1. the presented leaf (the first certificate of ``chain``) is byte for byte a
+   node_certs row (``leaf-unknown``), unrevoked (``leaf-revoked``) and unexpired at
+   ``compute_now()`` (``leaf-expired``);
+2. its node exists and is not retired (``node-retired``), and the leaf is of the
+   node's current identity generation (``generation``);
+3. the caller's mTLS certificate is a live node_certs row of that same node
+   (``identity-mismatch``, also when there is none);
+4. ``client_time`` is within 60 s of ``compute_now()`` (``clock-skew``);
+5. the proof was not accepted in the last 120 s (``pop-replay``), then it verifies
+   under the presented leaf's key (``pop-invalid``);
+6. from here the caller proved the current key, so the refusal event goes to the
+   node's tenant: the CSR parses and holds a P-256 key (``csr-invalid``); a leaf
+   naming a TPM AK needs ``key_attestation`` (``key-attestation-missing``), which
+   this reference cannot verify yet (``key-attestation-ak``);
+7. at most 6 renewals per node and hour (``RESOURCE_EXHAUSTED`` with
+   ``retry-pushback-ms``; not a refusal), then the new leaf: same node, site,
+   role, identity generation, allowed kinds and ``urn:bc:`` statements, all read
+   from the stored leaf and its node_certs row, never from the CSR.
+
+The signature checks and parsing happen before the transaction (pure CPU over the
+request); their verdicts are used only once the presented leaf proved to be the
+stored one, so the row lock on the node is held briefly.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import pki, wire
+from control import events
+from control.errors import ControlError, Refused, StoreConflict, invalid
+from control.joinservice import (
+    JoinCrypto,
+    issue_recorded_leaf,
+    record_refusal,
+    signed_identity,
+)
+from control.store import Row, Store, Tx
+
+RENEW_REFUSED = "Renew refused"
+CONCURRENT = "This node renewed concurrently; retry"
+CLOCK_SKEW_MS = 60_000
+REPLAY_WINDOW_MS = 120_000
+RENEWALS_PER_HOUR = 6
+RATE_WINDOW_MS = 3_600_000
+TPM_AK_STATEMENT = "urn:bc:tpm-ak:"
+# How far a revocation poller should look back behind its previous poll: revoked_at
+# is the revoking transaction's start, so a slow transaction can commit a
+# revocation stamped before one already seen (see revoked_since).
+REVOKED_SINCE_OVERLAP_MS = 120_000
+
+_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
+
+
+class RenewRefused(Refused):
+    """A renewal refusal; ``node_id`` and ``serial`` are set once the leaf matched a row."""
+
+    def __init__(
+        self,
+        reason: str,
+        tenant_id: str | None = None,
+        *,
+        node_id: str | None = None,
+        serial: str | None = None,
+    ) -> None:
+        super().__init__(RENEW_REFUSED, reason, tenant_id)
+        self.node_id = node_id
+        self.serial = serial
+
+
+@dataclass(frozen=True)
+class _Attempt:
+    request: wire.RenewRequest
+    csr_sha256: str
+    proof_sha256: str
+    leaf_der: bytes | None  # the presented leaf, when the chain parsed
+    leaf: pki.LeafInfo | None  # its identity, when it reads as a node leaf
+    pop_ok: bool  # pop_sig verifies under the presented leaf's key and node id
+    csr: x509.CertificateSigningRequest | None
+    peer_der: bytes | None
+
+
+class RenewService:
+    """JoinService.Renew: ``renew(body, peer_cert_der)`` runs in a worker thread."""
+
+    def __init__(self, store: Store, crypto: JoinCrypto | None) -> None:
+        self.store = store
+        self.crypto = crypto
+
+    def renew(self, body: bytes, peer_cert_der: bytes | None) -> str:
+        """Judge one RenewRequest body; return the SignedResponse or raise ControlError.
+
+        A refusal is a :class:`RenewRefused` (ACCESS_DENIED / ``Renew refused``);
+        a node over its renewal budget gets ``RESOURCE_EXHAUSTED`` with
+        ``retry_after_ms``; a malformed body ``INVALID_ARGUMENT``.
+        """
+        crypto = self.crypto
+        if crypto is None:
+            raise ControlError("INVALID_CONFIG", "JoinService has no pki.join configuration")
+        try:
+            request = wire.parse_renew_request(wire.loads_object(body))
+        except wire.WireError as exc:
+            raise invalid(f"malformed renew request: {exc}") from exc
+        attempt = _prepare(request, peer_cert_der)
+        try:
+            with self.store.tx() as tx:
+                return self._renew(tx, attempt, crypto)
+        except RenewRefused as refusal:
+            self._record_refusal(attempt, refusal)
+            raise
+        except StoreConflict as exc:
+            raise ControlError("CONFLICT", CONCURRENT) from exc
+
+    def _renew(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto) -> str:
+        request, info = attempt.request, attempt.leaf
+        now_ms = tx.now_ms()
+        found = _cert_row(tx, attempt.leaf_der)
+        if found is None or info is None:
+            raise RenewRefused("leaf-unknown")
+        node_id, serial = str(found["node_id"]), str(found["serial"])
+
+        def refuse(reason: str, tenant_id: str | None = None) -> RenewRefused:
+            return RenewRefused(reason, tenant_id, node_id=node_id, serial=serial)
+
+        # Lock the node, then read its certificates again: a revocation, reclaim or
+        # deletion (which lock the node first) is either wholly before or after us.
+        node = tx.one("SELECT * FROM nodes WHERE id = ?" + tx.for_update, (node_id,))
+        row = tx.one("SELECT * FROM node_certs WHERE serial = ?", (serial,))
+        assert row is not None  # node_certs rows are never deleted
+        if row["revoked_at"] is not None:
+            raise refuse("leaf-revoked")
+        if now_ms > int(row["not_after"]):
+            raise refuse("leaf-expired")
+        if node is None or node["retired_at"] is not None:
+            raise refuse("node-retired")
+        generation = int(node["identity_generation"])
+        if int(row["identity_generation"]) != generation:
+            raise refuse("generation")
+        peer = _cert_row(tx, attempt.peer_der)
+        if peer is None or peer["node_id"] != node_id or peer["revoked_at"] is not None:
+            raise refuse("identity-mismatch")
+        if abs(request.client_time_ms - now_ms) > CLOCK_SKEW_MS:
+            raise refuse("clock-skew")
+        if not _spend_proof(tx, attempt.proof_sha256, node_id, now_ms):
+            raise refuse("pop-replay")
+        if not attempt.pop_ok:
+            raise refuse("pop-invalid")
+        # The caller proved the current key: from here the node's owner hears of it.
+        tenant = str(node["tenant_id"])
+        if attempt.csr is None:
+            raise refuse("csr-invalid", tenant)
+        if any(s.startswith(TPM_AK_STATEMENT) for s in info.statements):
+            if request.key_attestation is None:
+                raise refuse("key-attestation-missing", tenant)
+            # Verifying the AK's TPM2_Certify of the new key comes with the TPM issue;
+            # until then no attestation is accepted, and nothing is ever downgraded.
+            raise refuse("key-attestation-ak", tenant)
+        pushback = check_renew_rate(tx, node_id)
+        if pushback is not None:
+            raise ControlError(
+                "RESOURCE_EXHAUSTED",
+                "too many renewals for this node; retry later",
+                retry_after_ms=pushback,
+            )
+        # Role, allowed kinds and statements come from the stored leaf and its row
+        # (the presented leaf is byte for byte that leaf), never from the CSR.
+        role = str(row["role"])
+        spiffe = pki.SpiffeId(crypto.trust_domain, info.spiffe.site_id, node_id)
+        leaf, new = issue_recorded_leaf(
+            tx,
+            crypto,
+            pki.csr_public_key(attempt.csr),
+            spiffe,
+            role,
+            info.statements,
+            json.loads(row["allowed_kinds"]),
+            generation,
+        )
+        tx.execute(
+            "DELETE FROM renewals WHERE node_id = ? AND renewed_at <= ?",
+            (node_id, now_ms - RATE_WINDOW_MS),
+        )
+        tx.execute(
+            "INSERT INTO renewals (serial, node_id, renewed_at) VALUES (?, ?, ?)",
+            (new.serial_hex, node_id, now_ms),
+        )
+        events.audit(
+            tx,
+            tenant,
+            "node.renewed",
+            node_id,
+            {"nodeId": node_id, "previousSerial": serial, "certSerial": new.serial_hex},
+        )
+        return signed_identity(
+            crypto, "renewed", spiffe, role, leaf, attempt.csr_sha256, now_ms, generation
+        )
+
+    def _record_refusal(self, attempt: _Attempt, refusal: RenewRefused) -> None:
+        payload: dict[str, Any] = {"reason": refusal.reason, "csrSha256": attempt.csr_sha256}
+        if refusal.node_id is not None:
+            payload["nodeId"] = refusal.node_id
+        if refusal.serial is not None:
+            payload["serial"] = refusal.serial
+        record_refusal(
+            self.store, refusal, "security.renew.refused", f"renew|{refusal.reason}", payload
+        )
+
+
+def _prepare(request: wire.RenewRequest, peer_cert_der: bytes | None) -> _Attempt:
+    leaf_der, info, pop_ok = None, None, False
+    try:
+        leaf_cert = pki.load_pem_chain(request.chain)[0]
+        leaf_der = leaf_cert.public_bytes(serialization.Encoding.DER)
+        info = pki.leaf_info(leaf_cert)
+        key = leaf_cert.public_key()
+        assert isinstance(key, ec.EllipticCurvePublicKey)  # leaf_info checked it
+        message = pki.renew_pop_message(
+            request.csr_der, info.spiffe.node_id, request.client_time_ms
+        )
+        pki.verify_p1363(key, request.pop_sig, message)
+        pop_ok = True
+    except (pki.PkiError, ValueError):
+        pass
+    try:
+        csr: x509.CertificateSigningRequest | None = pki.parse_csr(request.csr_der)
+    except pki.PkiError:
+        csr = None
+    return _Attempt(
+        request=request,
+        csr_sha256=pki.sha256_hex(request.csr_der),
+        proof_sha256=proof_sha256(request.pop_sig),
+        leaf_der=leaf_der,
+        leaf=info,
+        pop_ok=pop_ok,
+        csr=csr,
+        peer_der=peer_cert_der,
+    )
+
+
+def proof_sha256(pop_sig: bytes) -> str:
+    """SHA-256 of the proof in canonical (low-S) form.
+
+    ECDSA signatures are malleable: (r, s) and (r, n - s) both verify, so a replay
+    of a flipped signature must count as the same proof.
+    """
+    if len(pop_sig) == 64:
+        r, s = pop_sig[:32], int.from_bytes(pop_sig[32:], "big")
+        if 0 < s < _P256_ORDER:
+            pop_sig = r + min(s, _P256_ORDER - s).to_bytes(32, "big")
+    return hashlib.sha256(pop_sig).hexdigest()
+
+
+def _spend_proof(tx: Tx, proof: str, node_id: str, now_ms: int) -> bool:
+    """Record the proof; False when it was already accepted in the last 120 s."""
+    tx.execute(
+        "DELETE FROM renew_proofs WHERE node_id = ? AND used_at <= ?",
+        (node_id, now_ms - REPLAY_WINDOW_MS),
+    )
+    changed = tx.execute(
+        "INSERT INTO renew_proofs (proof_sha256, node_id, used_at) VALUES (?, ?, ?) "
+        "ON CONFLICT (proof_sha256) DO UPDATE SET node_id = excluded.node_id, "
+        "used_at = excluded.used_at WHERE renew_proofs.used_at <= ?",
+        (proof, node_id, now_ms, now_ms - REPLAY_WINDOW_MS),
+    )
+    return changed == 1
+
+
+def _cert_row(tx: Tx, der: bytes | None) -> Row | None:
+    """The node_certs row whose DER is byte for byte ``der``, else None."""
+    if der is None:
+        return None
+    try:
+        serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
+    except ValueError:
+        return None
+    row = tx.one("SELECT * FROM node_certs WHERE serial = ?", (serial,))
+    if row is None or base64.b64decode(row["der"]) != der:
+        return None
+    return row
+
+
+# --- for the gateway --------------------------------------------------------------------
+
+
+def check_renew_rate(tx: Tx, node_id: str) -> int | None:
+    """Milliseconds to wait before the node may renew again, or None when it may now.
+
+    A sliding window: at most 6 renewals per node in any hour. RenewService.renew
+    enforces it too (inside its transaction, with the node row locked); the gateway
+    asks first so a busy node is turned away before its request is judged.
+    """
+    now_ms = tx.now_ms()
+    rows = tx.query(
+        "SELECT renewed_at FROM renewals WHERE node_id = ? AND renewed_at > ? ORDER BY renewed_at",
+        (node_id, now_ms - RATE_WINDOW_MS),
+    )
+    if len(rows) < RENEWALS_PER_HOUR:
+        return None
+    leaves_window = int(rows[len(rows) - RENEWALS_PER_HOUR]["renewed_at"]) + RATE_WINDOW_MS
+    return max(1, leaves_window - now_ms)
+
+
+def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
+    """(node id, serial) of a live node certificate, else None (answer UNAUTHENTICATED).
+
+    Live: byte for byte a node_certs row, unrevoked, within its validity at
+    ``compute_now()``, of a node that is not retired.
+    """
+    row = _cert_row(tx, peer_cert_der)
+    if row is None or row["revoked_at"] is not None:
+        return None
+    now_ms = tx.now_ms()
+    if not int(row["not_before"]) <= now_ms <= int(row["not_after"]):
+        return None
+    node = tx.one("SELECT retired_at FROM nodes WHERE id = ?", (row["node_id"],))
+    if node is None or node["retired_at"] is not None:
+        return None
+    return str(row["node_id"]), str(row["serial"])
+
+
+def revoked_since(tx: Tx, since_ms: int) -> list[Row]:
+    """Certificates revoked after ``since_ms``: serial, node_id, revoke_reason, revoked_at.
+
+    ``revoked_at`` is the revoking transaction's ``compute_now()`` (its start), so a
+    revocation can commit after a later-stamped one was already read. A poller
+    should ask again from (its previous poll's start - REVOKED_SINCE_OVERLAP_MS)
+    and skip serials it already handled.
+    """
+    return tx.query(
+        "SELECT serial, node_id, revoke_reason, revoked_at FROM node_certs "
+        "WHERE revoked_at IS NOT NULL AND revoked_at > ? ORDER BY revoked_at, serial",
+        (since_ms,),
+    )
