@@ -281,6 +281,33 @@ def cmd_doctor(args: argparse.Namespace) -> int:
     return doctor.exit_code(checks)
 
 
+def cmd_node(args: argparse.Namespace) -> int:
+    from bcd.errors import CertificateRevoked
+    from bcd.node import REVOKED_MESSAGE, run_node
+
+    logging.getLogger().setLevel(logging.INFO)
+    cfg = load_config(Path(args.config))
+    outcome = 0
+    try:
+        trio.run(run_node, cfg)
+    except* CertificateRevoked:
+        print(REVOKED_MESSAGE, file=sys.stderr)
+        outcome = 1
+    except* BcdError as group:
+        print(f"agent: {group.exceptions[0]}", file=sys.stderr)
+        outcome = 1
+    except* Exception as group:
+        logging.getLogger("bcd.node").error(
+            "agent: a task failed; stopping", exc_info=group.exceptions[0]
+        )
+        print(
+            f"agent: stopped after an internal error ({type(group.exceptions[0]).__name__})",
+            file=sys.stderr,
+        )
+        outcome = 1
+    return outcome
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     print(f"bcd {__version__}")
     return 0
@@ -311,13 +338,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--json", action="store_true")
 
+    p = sub.add_parser("node", help="run the agent: renew the identity, keep the session open")
+    p.set_defaults(fn=cmd_node)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+
     p = sub.add_parser("version")
     p.set_defaults(fn=cmd_version)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="bcd: %(message)s")
+    logging.basicConfig(level=logging.WARNING, format="bcd: %(name)s: %(message)s")
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["join"]:

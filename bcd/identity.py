@@ -30,6 +30,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -504,18 +505,31 @@ def write_next_key(data_dir: Path, next_key_pem: bytes) -> None:
         raise IdentityError(f"cannot write {data_dir / NEXT_KEY_FILE}: {exc.strerror}") from exc
 
 
-def store_renewal(data_dir: Path, identity: Identity, next_key_pem: bytes) -> None:
+RENEWAL_STEPS = ("next-key", "identity", "rename")
+
+
+def store_renewal(
+    data_dir: Path,
+    identity: Identity,
+    next_key_pem: bytes,
+    after_step: Callable[[str], None] | None = None,
+) -> None:
     """Renewal step 5: node.key.next again, identity.json, then node.key.next over node.key.
 
     A crash between any two steps leaves a state :func:`load_state` settles to a key
-    and certificate that match.
+    and certificate that match. ``after_step`` (a test's fail point) is called with
+    each name of :data:`RENEWAL_STEPS` once that step is on disk.
     """
     next_path = data_dir / NEXT_KEY_FILE
+    done = after_step or (lambda _name: None)
     try:
         fs.atomic_write(next_path, next_key_pem, 0o600)
+        done("next-key")
         fs.atomic_write(data_dir / IDENTITY_FILE, identity.to_json(), 0o600)
+        done("identity")
         os.rename(next_path, data_dir / NODE_KEY_FILE)
         fs.fsync_dir(data_dir)
+        done("rename")
     except OSError as exc:
         raise IdentityError(
             f"cannot store the renewed identity in {data_dir}: {exc.strerror or exc}"

@@ -138,7 +138,7 @@ def parse_csr(der: bytes) -> x509.CertificateSigningRequest:
         csr = x509.load_der_x509_csr(der)
         public_key = csr.public_key()
         valid = csr.is_signature_valid
-    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:
+    except (ValueError, TypeError, UnsupportedAlgorithm, x509.InvalidVersion) as exc:
         raise PkiError("the CSR does not parse") from exc
     if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(
         public_key.curve, ec.SECP256R1

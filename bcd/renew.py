@@ -40,6 +40,7 @@ from bcd.config import Config, gateway_host_port
 from bcd.errors import BcdError, CertificateRevoked, IdentityError, JoinError, RetryableError
 from bcd.httpclient import Response, request
 from bcd.identity import (
+    RENEWAL_STEPS,
     Identity,
     LoadedState,
     format_time,
@@ -59,6 +60,8 @@ OLD_KEY_HOLD_S = 300.0
 # The longest single sleep: the wall clock is read again after it, so a suspended
 # machine or a stepped clock delays a renewal by at most this much.
 MAX_NAP_S = 60.0
+# A renewal due within this much is due now (float noise between the two clocks).
+_DUE_SLACK_S = 1e-3
 RENEW_PATH = "/v1/renew"
 REFUSED = "the control plane refused the renewal (ACCESS_DENIED: Renew refused)"
 REVOKED = (
@@ -70,6 +73,10 @@ EXPIRED_HINT = "the certificate has expired; join again: bcd join --reset --yes,
 Sender = Callable[[bytes], Awaitable[str]]
 SenderFactory = Callable[[LoadedState], Sender]
 Recorder = Callable[[str, dict[str, Any]], Awaitable[object]]
+FailPoint = Callable[[str], None]
+# The storage steps of a renewal, in order: node.key.next written first (before the
+# request), then store_renewal's steps (node.key.next again, identity.json, rename).
+FAIL_POINTS = ("next-key-first", *RENEWAL_STEPS)
 
 
 # --- pure parts -------------------------------------------------------------------
@@ -187,16 +194,20 @@ async def renew_once(
     *,
     signing_pin: str,
     wall: Callable[[], float],
+    fail_point: FailPoint | None = None,
 ) -> LoadedState:
     """Renew once (the seed's renewOnce); return the new state, stored on disk.
 
     Raises :class:`~bcd.errors.BcdError` when the renewal failed; the identity on
     disk is then still ``state``'s (a stale node.key.next is removed by the next
-    load, or overwritten by the next attempt).
+    load, or overwritten by the next attempt). ``fail_point`` (tests only) is called
+    with each name of :data:`FAIL_POINTS` once that storage step is on disk.
     """
     next_key = generate_file_key()
     next_pem = key_to_pem(next_key)
     await trio.to_thread.run_sync(write_next_key, state.data_dir, next_pem)
+    if fail_point is not None:
+        fail_point(FAIL_POINTS[0])
     csr_der, req = build_request(state, next_key, int(wall() * 1000))
     signed = await send(wire.dumps(req.to_json()))
     body = verify_renewed(
@@ -208,7 +219,7 @@ async def renew_once(
     )
     identity = renewed_identity(state, body)
     try:
-        await trio.to_thread.run_sync(store_renewal, state.data_dir, identity, next_pem)
+        await trio.to_thread.run_sync(store_renewal, state.data_dir, identity, next_pem, fail_point)
     except IdentityError:
         # Part of the store may have happened: settle the directory the way a restart
         # would, and go on with whatever it holds now.
@@ -361,6 +372,7 @@ async def renewal_task(
     old_keys: OldKeys | None = None,
     record: Recorder | None = None,
     fraction: float = RENEW_FRACTION,
+    fail_point: FailPoint | None = None,
 ) -> NoReturn:
     """Keep the identity fresh forever; only :class:`~bcd.errors.CertificateRevoked` ends it.
 
@@ -371,7 +383,9 @@ async def renewal_task(
     ``record("renewed", …)`` (the journal) when given. Failure: ``renewal failed``
     logged with the attempt and ``expiresIn``, then the backoff or the pushback.
     Any exception that is not a :class:`~bcd.errors.BcdError` is a bug and ends the
-    task too.
+    task too. After a storage failure the data directory is settled the way a start
+    would (:func:`bcd.identity.load_state`) and a newer certificate of this node
+    found there is adopted. ``fail_point`` is passed to :func:`renew_once`.
     """
     keys = old_keys if old_keys is not None else OldKeys()
     attempt = 0
@@ -380,7 +394,7 @@ async def renewal_task(
         if attempt == 0:
             info = state.leaf_info
             remaining = renew_at(info.not_before, info.not_after, fraction).timestamp() - wall()
-            if remaining > 0:
+            if remaining > _DUE_SLACK_S:
                 await _pause(min(remaining, MAX_NAP_S), keys, log)
                 continue
         attempt += 1
@@ -390,8 +404,10 @@ async def renewal_task(
             raise
         except BcdError as exc:
             wait = _failed(state, exc, attempt, wall, log)
-            if isinstance(exc, IdentityError):
-                await _adopt_disk_state(state, set_state, log)
+            if isinstance(exc, IdentityError) and await _adopt_disk_state(state, set_state, log):
+                keys.retire(state.key, trio.current_time())
+                attempt = 0
+                continue
             await _pause(wait, keys, log)
             continue
         set_state(new)
@@ -430,7 +446,7 @@ def _failed(
 
 async def _adopt_disk_state(
     state: LoadedState, set_state: Callable[[LoadedState], None], log: logging.Logger
-) -> None:
+) -> bool:
     """After a storage failure, go on with what the data directory holds (settled).
 
     Only a newer certificate of this same node is adopted; anything else on disk is
@@ -443,8 +459,13 @@ async def _adopt_disk_state(
         and on_disk.identity.spiffe_id == state.identity.spiffe_id
         and on_disk.identity.role == state.identity.role
     ):
-        log.warning("the identity on disk moved on; using it (%s)", on_disk.identity.not_after)
+        log.warning(
+            "the renewed certificate was stored after all; using it (valid until %s)",
+            on_disk.identity.not_after,
+        )
         set_state(on_disk)
+        return True
+    return False
 
 
 async def _record(

@@ -198,7 +198,8 @@ class JoinRequest:
 
 def parse_join_request(obj: dict[str, Any]) -> JoinRequest:
     """Parse a JoinRequest body (already a JSON object)."""
-    if obj.get("protocol") != PROTOCOL_VERSION:
+    protocol = obj.get("protocol")
+    if type(protocol) is not int or protocol != PROTOCOL_VERSION:
         raise WireError("unsupported protocol")
     role = _str(obj, "role", max_len=32)
     if role not in ("node", "site", "ramdisk"):
@@ -212,7 +213,9 @@ def parse_join_request(obj: dict[str, Any]) -> JoinRequest:
         csr_der = base64.b64decode(csr_b64, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise WireError("csr must be base64") from exc
-    evidence = obj.get("evidence") or {}
+    evidence = obj.get("evidence")
+    if evidence is None:
+        evidence = {}
     if not isinstance(evidence, dict):
         raise WireError("evidence must be an object")
     node_id = obj.get("node_id")
@@ -375,7 +378,7 @@ def open_seal(
         raise WireError("not a compact JWE")
     try:
         header = json.loads(pki.b64url_decode(sealed.split(".", 1)[0]))
-    except (ValueError, pki.PkiError) as exc:
+    except (ValueError, pki.PkiError, RecursionError) as exc:
         raise WireError("not a compact JWE") from exc
     if not isinstance(header, dict) or header.get("typ") != SEAL_TYP:
         raise WireError("wrong typ")
@@ -431,7 +434,7 @@ def verify_response(jws: str, signing_key_pin: str) -> dict[str, Any]:
             raise WireError("the response is not signed by the pinned join-signing key")
         pki.verify_p1363(key, pki.b64url_decode(s64), f"{h64}.{b64}".encode("ascii"))
         body = json.loads(pki.b64url_decode(b64))
-    except (ValueError, pki.PkiError) as exc:
+    except (ValueError, pki.PkiError, RecursionError) as exc:
         if isinstance(exc, WireError):
             raise
         raise WireError("the response signature does not verify") from exc

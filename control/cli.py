@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway_url=args.gateway_url,
         ready_file=Path(args.ready_file) if args.ready_file else None,
         secret=_secret(),
+        cert_ttl_s=args.cert_ttl_seconds,
     )
 
 
@@ -429,6 +430,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway-url", help="the gateway URL nodes dial, published in the well-known document"
     )
     p.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
+    p.add_argument(
+        "--cert-ttl-seconds",
+        type=int,
+        default=86_400,
+        choices=range(10, 86_401),
+        metavar="10..86400",
+        help="node certificate lifetime (certTtlSeconds; default and maximum 86400)",
+    )
     verb(sub, "migrate", cmd_migrate, db=True)
 
     tenants = sub.add_parser("tenants").add_subparsers(

@@ -232,11 +232,11 @@ def _prepare(request: wire.RenewRequest, peer_cert_der: bytes | None) -> _Attemp
         )
         pki.verify_p1363(key, request.pop_sig, message)
         pop_ok = True
-    except (pki.PkiError, ValueError):
+    except (ValueError, x509.InvalidVersion):  # PkiError is a ValueError
         pass
     try:
         csr: x509.CertificateSigningRequest | None = pki.parse_csr(request.csr_der)
-    except pki.PkiError:
+    except (ValueError, x509.InvalidVersion):
         csr = None
     return _Attempt(
         request=request,
@@ -284,7 +284,7 @@ def _cert_row(tx: Tx, der: bytes | None) -> Row | None:
         return None
     try:
         serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
-    except ValueError:
+    except (ValueError, x509.InvalidVersion):
         return None
     row = tx.one("SELECT * FROM node_certs WHERE serial = ?", (serial,))
     if row is None or base64.b64decode(row["der"]) != der:

@@ -17,14 +17,16 @@ from bcd.plugins import load_plugins
 from control import pki
 from control.api import App
 from control.errors import ControlError
+from control.gateway import Gateway
 from control.http import serve
-from control.joinservice import JoinCrypto, JoinService
+from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService
+from control.renewal import RenewService
 from control.store import open_store
 
 log = logging.getLogger("control.server")
 
 
-def join_crypto(loaded: pki.Pki) -> JoinCrypto:
+def join_crypto(loaded: pki.Pki, cert_ttl_s: int = CERT_TTL_MAX_S) -> JoinCrypto:
     return JoinCrypto(
         trust_domain=loaded.trust_domain,
         signing_key=loaded.join_signing_key,
@@ -33,6 +35,7 @@ def join_crypto(loaded: pki.Pki) -> JoinCrypto:
         chain_tail_pem=loaded.chain_tail_pem(),
         bundle_pem=loaded.bundle_pem(),
         trust_version=loaded.trust_version,
+        cert_ttl_s=cert_ttl_s,
     )
 
 
@@ -53,6 +56,7 @@ def main(
     gateway_url: str | None,
     ready_file: Path | None,
     secret: bytes,
+    cert_ttl_s: int = CERT_TTL_MAX_S,
 ) -> int:
     logging.basicConfig(
         level=logging.INFO,
@@ -67,7 +71,7 @@ def main(
         chain_pem, gw_key = pki.load_gateway(pki_dir, gateway_san, secret)
     except pki.PkiSetupError as exc:
         raise ControlError("INVALID_CONFIG", str(exc)) from exc
-    crypto = join_crypto(loaded)
+    crypto = join_crypto(loaded, cert_ttl_s)
     well_known_join = dict(loaded.well_known_join())
     node_ca_pem = loaded.chain_tail_pem()
     ssl_ctx = pki.server_ssl_context(chain_pem, gw_key, client_ca_pem=node_ca_pem)
@@ -83,13 +87,16 @@ def main(
             "serverName": gateway_san,
             "servingCaPin": loaded.pins()["serving_ca_spki_pin"],
         }
+    limiter = trio.CapacityLimiter(8)
+    joinservice = JoinService(store, crypto, plugins)
     app = App(
         store=store,
-        joinservice=JoinService(store, crypto, plugins),
+        joinservice=joinservice,
         well_known_join=well_known_join,
         gateway=gateway_doc,
-        limiter=trio.CapacityLimiter(8),
+        limiter=limiter,
     )
+    gateway = Gateway(store, joinservice, RenewService(store, crypto), limiter)
     api_host, api_port = _split(api_listen)
     gw_host, gw_port = _split(gateway_listen)
 
@@ -97,8 +104,9 @@ def main(
         async with trio.open_nursery() as nursery:
             api_bound = await nursery.start(functools.partial(serve, app.api, api_host, api_port))
             gw_bound = await nursery.start(
-                functools.partial(serve, app.gateway_handler, gw_host, gw_port, ssl_context=ssl_ctx)
+                functools.partial(serve, gateway.handle, gw_host, gw_port, ssl_context=ssl_ctx)
             )
+            nursery.start_soon(gateway.revocation_poller)
             ready = {
                 "api": f"http://{api_host}:{api_bound}",
                 "gateway": f"https://{gw_host}:{gw_bound}",

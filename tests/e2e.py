@@ -76,7 +76,12 @@ class ControlPlane:
 
     @classmethod
     def start(
-        cls, home: Path, pki_template: Path, db_url: str, gateway_url: str | None = None
+        cls,
+        home: Path,
+        pki_template: Path,
+        db_url: str,
+        gateway_url: str | None = None,
+        extra_args: Sequence[str] = (),
     ) -> ControlPlane:
         shutil.copytree(pki_template / "pki", home / "pki")
         store = open_store(db_url)
@@ -114,6 +119,7 @@ class ControlPlane:
                 "--ready-file",
                 str(ready),
                 *(["--gateway-url", gateway_url.format(port=port)] if gateway_url else []),
+                *extra_args,
             ],
             env=cli_env(home),
             stdout=log,

@@ -678,15 +678,6 @@ def test_join_refused_node_id_of_another_node_on_reclaim(world: World) -> None:
     world.refused(attempt, "node-id", routed_to=TENANT)
 
 
-_NESTED_HEADER_BUG = pytest.mark.xfail(
-    strict=True,
-    reason="bug: bcd/wire.py open_seal parses the protected header with json.loads "
-    "catching only ValueError/PkiError; a header nested deeper than the recursion limit "
-    "raises RecursionError, which JoinService._prepare (catches only WireError) lets "
-    "escape join() instead of refusing seal-invalid",
-)
-
-
 @pytest.mark.parametrize(
     "header",
     [
@@ -700,7 +691,7 @@ _NESTED_HEADER_BUG = pytest.mark.xfail(
             id="kid-lone-surrogate",
         ),
         # a header nested deeper than the recursion limit
-        pytest.param(bpki.b64url(b"[" * 6000), id="deeply-nested", marks=_NESTED_HEADER_BUG),
+        pytest.param(bpki.b64url(b"[" * 6000), id="deeply-nested"),
     ],
 )
 def test_join_refused_seal_invalid_for_an_odd_protected_header(world: World, header: str) -> None:
@@ -718,12 +709,6 @@ def test_join_refused_csr_invalid_for_an_unknown_key_algorithm(world: World) -> 
     world.refused(attempt, "csr-invalid", routed_to=TENANT)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: bcd/pki.py parse_csr does not catch cryptography.x509.InvalidVersion; a CSR "
-    "whose version is 1 escapes JoinService._issue as InvalidVersion (HTTP 500, no refusal "
-    "event) instead of the uniform refusal csr-invalid",
-)
 def test_join_refused_csr_invalid_for_a_csr_of_an_unknown_version(world: World) -> None:
     key = bpki.generate_key()
     csr = bpki.make_csr(key).replace(b"\x02\x01\x00", b"\x02\x01\x01", 1)

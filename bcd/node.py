@@ -1,0 +1,111 @@
+"""``bcd node``: one trio nursery with a session task and a renewal task.
+
+The identity is loaded with LoadState at start. The tasks share it through a
+:class:`StateHolder`: the renewal task replaces it, the session task reads it at
+every dial. SIGTERM or SIGINT cancels the nursery and ``bcd node`` exits 0. A
+RevocationNotice (or the gateway refusing the certificate) stops everything and
+``bcd node`` exits 1 with ``agent: this node's certificate was revoked``; nothing
+on disk is deleted. Any other failure of a task cancels the others too (no task
+is silently survived) and ``bcd node`` exits 1 naming it.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from bcd.config import Config
+from bcd.errors import IdentityError
+from bcd.identity import LoadedState, load_state
+from bcd.journal import Journal, open_journal
+from bcd.renew import gateway_renew_sender, renewal_task
+from bcd.session import SessionInfo, session_task
+
+log = logging.getLogger("bcd.node")
+
+REVOKED_MESSAGE = "agent: this node's certificate was revoked"
+
+
+@dataclass
+class StateHolder:
+    state: LoadedState
+
+    def get(self) -> LoadedState:
+        return self.state
+
+    def set(self, state: LoadedState) -> None:
+        self.state = state
+
+
+def boot_id(root: Path = Path("/")) -> str:
+    try:
+        return (root / "proc/sys/kernel/random/boot_id").read_text().strip()[:64]
+    except OSError:
+        return ""
+
+
+def load_identity(cfg: Config, now: datetime) -> LoadedState:
+    """LoadState for an agent mode: not joined or expired are errors with the way back."""
+    state = load_state(cfg.data_dir)
+    if state is None:
+        raise IdentityError("this node has not joined; run as root: bcd join")
+    if state.expired(now):
+        raise IdentityError(
+            f"the certificate expired at {state.identity.not_after}; join again as root: "
+            "bcd join --reset --yes, then bcd join"
+        )
+    return state
+
+
+async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> None:
+    """Run the agent until a signal (returns) or a revocation (raises CertificateRevoked)."""
+    now = datetime.fromtimestamp(wall(), UTC)
+    state = await trio.to_thread.run_sync(load_identity, cfg, now)
+    journal: Journal = await trio.to_thread.run_sync(open_journal, cfg.data_dir, now)
+    holder = StateHolder(state)
+    info = SessionInfo(journal_id=journal.journal_id, boot_id=boot_id())
+    log.info(
+        "node %s (site %s, role %s); certificate valid until %s; journal %s",
+        state.identity.node_id,
+        state.identity.site_id,
+        state.identity.role,
+        state.identity.not_after,
+        journal.journal_id,
+    )
+
+    async def record(kind: str, payload: dict[str, Any]) -> object:
+        return await trio.to_thread.run_sync(journal.append, kind, payload)
+
+    try:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_signals, nursery.cancel_scope)
+            nursery.start_soon(session_task, cfg, holder.get, info)
+            nursery.start_soon(
+                lambda: renewal_task(
+                    holder.get,
+                    holder.set,
+                    lambda s: gateway_renew_sender(cfg, s),
+                    signing_pin=cfg.join_signing_key_pin,
+                    wall=wall,
+                    log=logging.getLogger("bcd.renew"),
+                    record=record,
+                )
+            )
+    finally:
+        await trio.to_thread.run_sync(journal.close)
+
+
+async def _signals(scope: trio.CancelScope) -> None:
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async for signum in signals:
+            log.info("received %s; stopping", signal.Signals(signum).name)
+            scope.cancel()
+            return

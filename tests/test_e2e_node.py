@@ -1,0 +1,107 @@
+"""`bcd node` for real: renewal, the session, revocation and SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e import BIN, ControlPlane, Node, cli_env
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def short_lived(tmp_path: Path, pki_template: Path) -> Iterator[ControlPlane]:
+    cp = ControlPlane.start(
+        tmp_path / "cp",
+        pki_template,
+        f"sqlite:///{tmp_path / 'store.db'}",
+        extra_args=["--cert-ttl-seconds", "10"],
+    )
+    try:
+        yield cp
+    finally:
+        cp.stop()
+
+
+def _start_node(node: Node) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(BIN / "bcd"), "node", "--config", str(node.config)],
+        env=cli_env(node.root),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def _serial(node: Node) -> str:
+    from bcd import pki
+
+    ident = json.loads((node.data_dir / "identity.json").read_text())
+    return pki.leaf_info(pki.load_pem_chain(ident["chain"])[0]).serial_hex
+
+
+def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.1)
+
+
+def test_node_renews_keeps_a_session_and_stops_when_revoked(
+    short_lived: ControlPlane, tmp_path: Path
+) -> None:
+    cp = short_lived
+    site, pool = cp.site_and_pool()
+    node = Node.make(tmp_path / "n", cp, site)
+    joined = node.join(cp.token(pool)["token"])
+    assert joined.returncode == 0, joined.stderr
+    node_id = joined.stdout.split()[2]
+    first = _serial(node)
+    proc = _start_node(node)
+    try:
+        _wait(lambda: _serial(node) != first, 20, "a renewal")
+        assert (node.data_dir / "journal.db").exists()
+        with cp.store.tx() as tx:
+            certs = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
+        assert len(certs) >= 2
+        assert proc.poll() is None
+
+        revoked = cp.cli("nodes", "revoke-identity", node_id, "--tenant", cp.root_tenant)
+        assert revoked.returncode == 0, revoked.stderr
+        code = proc.wait(15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    _out, err = proc.communicate()
+    assert code == 1, err
+    assert "agent: this node's certificate was revoked" in err
+    assert "certificate revoked" in err
+    assert (node.data_dir / "identity.json").exists()
+    assert (node.data_dir / "node.key").exists()
+
+
+def test_node_exits_cleanly_on_sigterm(short_lived: ControlPlane, tmp_path: Path) -> None:
+    cp = short_lived
+    site, pool = cp.site_and_pool()
+    node = Node.make(tmp_path / "n", cp, site)
+    assert node.join(cp.token(pool)["token"]).returncode == 0
+    proc = _start_node(node)
+    time.sleep(1.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(10) == 0, proc.communicate()
+
+
+def test_node_without_identity_says_how_to_join(short_lived: ControlPlane, tmp_path: Path) -> None:
+    site, _pool = short_lived.site_and_pool()
+    node = Node.make(tmp_path / "n", short_lived, site)
+    done = node.bcd("node")
+    assert done.returncode == 1
+    assert "bcd join" in done.stderr
