@@ -61,9 +61,15 @@ PKI_FILES = (
     PKI_JSON,
 )
 
-# Every certificate is valid from now - CLOCK_SKEW (a peer whose clock is a little behind
+# Every certificate is valid from now - skew (a peer whose clock is a little behind
 # already accepts it) for exactly its lifetime, so the lifetime limits hold end to end.
+# The skew is a tenth of the lifetime, at most CLOCK_SKEW, so a short-lived
+# certificate (tests, ``--cert-ttl-seconds``) is still mostly in the future.
 CLOCK_SKEW = timedelta(seconds=60)
+
+
+def backdate(lifetime: timedelta) -> timedelta:
+    return min(CLOCK_SKEW, lifetime / 10)
 ROOT_LIFETIME = timedelta(days=3653)  # 10 years
 NODE_CA_LIFETIME = timedelta(days=1827)  # 5 years
 GATEWAY_LIFETIME = timedelta(days=90)
@@ -124,8 +130,8 @@ def _builder(
     now: datetime,
     lifetime: timedelta,
 ) -> x509.CertificateBuilder:
-    """Valid from ``now - CLOCK_SKEW`` for exactly ``lifetime``, with SKI and AKI."""
-    not_before = _utc(now) - CLOCK_SKEW
+    """Valid from ``now - backdate(lifetime)`` for exactly ``lifetime``, with SKI and AKI."""
+    not_before = _utc(now) - backdate(lifetime)
     return (
         x509.CertificateBuilder()
         .subject_name(subject)
@@ -323,7 +329,7 @@ def issue_node_leaf(
         raise ValueError("duplicate certificate statements")
     now = _utc(now)
     lifetime = timedelta(seconds=ttl_s)
-    _within_issuer(pki.node_ca, now - CLOCK_SKEW + lifetime, "node CA")
+    _within_issuer(pki.node_ca, now - backdate(lifetime) + lifetime, "node CA")
     subject = x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, ROLE_PREFIX + role)])
     uris = [x509.UniformResourceIdentifier(str(spiffe))]
     uris += [x509.UniformResourceIdentifier(s) for s in statements]
@@ -343,7 +349,7 @@ def make_gateway_cert(
     """A gateway serving certificate from the serving CA, 90 days."""
     name = normalise_san(san)
     now = _utc(now)
-    _within_issuer(pki.serving_ca, now - CLOCK_SKEW + GATEWAY_LIFETIME, "serving CA")
+    _within_issuer(pki.serving_ca, now - backdate(GATEWAY_LIFETIME) + GATEWAY_LIFETIME, "serving CA")
     builder = (
         _builder(
             _name(_san_text(name)),
