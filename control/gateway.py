@@ -54,6 +54,11 @@ class Gateway:
     limiter: trio.CapacityLimiter
     ping_interval_s: float = PING_INTERVAL_S
     sessions: dict[str, list[_Session]] = field(default_factory=dict)
+    _poked: trio.Event = field(default_factory=trio.Event)
+
+    def poke(self) -> None:
+        """Look for revocations now (a revocation was just made through this process)."""
+        self._poked.set()
 
     async def _run(self, fn: Callable[[Tx], T]) -> T:
         def work() -> T:
@@ -162,7 +167,9 @@ class Gateway:
         since = await self._run(lambda tx: tx.now_ms())
         seen: dict[str, int] = {}
         while True:
-            await trio.sleep(interval_s)
+            with trio.move_on_after(interval_s):
+                await self._poked.wait()
+            self._poked = trio.Event()
             # Overlap the window by a second: a revocation committed late with an
             # earlier timestamp is still found; ``seen`` keeps it from being sent twice.
             mark = since - 1000

@@ -107,6 +107,7 @@ class FakeGateway:
     senders: list[LoadedState] = field(default_factory=list)  # the state each was made from
     requests: list[wire.RenewRequest] = field(default_factory=list)
     next_key_at_send: list[bytes] = field(default_factory=list)
+    issued: list[x509.Certificate] = field(default_factory=list)  # the leaves it answered with
     on_call: Callable[[int], None] | None = None
     clock: Callable[[], float] = wall
 
@@ -141,6 +142,7 @@ class FakeGateway:
         role = self.tamper.get("role", info.role)
         leaf_key = self.tamper.get("leaf_key", pki.csr_public_key(csr))
         leaf = issue_node_leaf(self.memory_pki, leaf_key, spiffe, role, (), at(wall()), self.ttl_s)
+        self.issued.append(leaf)
         answer = {
             "kind": self.tamper.get("kind", "renewed"),
             "node_id": spiffe.node_id,
@@ -226,7 +228,9 @@ def test_gateway_answers_are_mapped() -> None:
 # --- renewOnce --------------------------------------------------------------------
 
 
-async def test_renew_once_stores_a_new_key_and_certificate(tmp_path: Path, memory_pki: Pki) -> None:
+async def test_renew_once_stores_a_new_key_and_certificate(
+    tmp_path: Path, memory_pki: Pki, autojump_clock: trio.testing.MockClock
+) -> None:
     state = joined_state(tmp_path, memory_pki, wall())
     gateway = FakeGateway(memory_pki, tmp_path)
     new = await renew_once(state, gateway.factory(state), signing_pin=pin(memory_pki), wall=wall)
@@ -272,7 +276,11 @@ def _other_spiffe(node: str = OTHER_NODE, site: str = SITE, td: str = "td.exampl
     ids=["signer", "kind", "csr", "key", "node", "site", "role", "role-node-tenant"],
 )
 async def test_a_wrong_answer_is_refused_and_nothing_changes(
-    tmp_path: Path, memory_pki: Pki, tamper: dict[str, Any], message: str
+    tmp_path: Path,
+    memory_pki: Pki,
+    autojump_clock: trio.testing.MockClock,
+    tamper: dict[str, Any],
+    message: str,
 ) -> None:
     state = joined_state(tmp_path, memory_pki, wall())
     before = {n: (tmp_path / n).read_bytes() for n in ("identity.json", "node.key")}
@@ -286,19 +294,26 @@ async def test_a_wrong_answer_is_refused_and_nothing_changes(
     assert loaded.identity == state.identity
 
 
-async def test_another_trust_domain_is_refused(tmp_path: Path, memory_pki: Pki) -> None:
+async def test_another_trust_domain_is_refused(
+    tmp_path: Path, memory_pki: Pki, autojump_clock: trio.testing.MockClock
+) -> None:
     """The leaf and the body both name another trust domain: not this node."""
     from control.pki import build_pki
 
     other = build_pki("other.example", at(T0))
     state = joined_state(tmp_path, memory_pki, wall())
-    gateway = FakeGateway(other, tmp_path)
+    gateway = FakeGateway(
+        other, tmp_path, tamper={"spiffe": _other_spiffe(NODE, SITE, "other.example")}
+    )
     with pytest.raises(JoinError, match="is not this node's"):
         await renew_once(state, gateway.factory(state), signing_pin=pin(other), wall=wall)
 
 
 async def test_a_failed_store_that_did_land_is_adopted(
-    tmp_path: Path, memory_pki: Pki, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    memory_pki: Pki,
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The rename failed after identity.json was written: the settled disk is the renewal."""
     from bcd import identity as identity_mod
@@ -378,8 +393,8 @@ async def test_the_task_sleeps_until_60_percent_then_renews_each_new_leaf(
         await _run(holder, gateway, memory_pki)
     assert len(gateway.calls) == 3
     assert gateway.calls == pytest.approx(dues, abs=1e-3)
-    # 14.4 hours apart (60 % of 24 h leaves, each issued at its renewal)
-    assert gateway.calls[1] - gateway.calls[0] == pytest.approx(0.6 * 24 * 3600, abs=1)
+    # 14.4 hours apart, less the 60 s a leaf is backdated (60 % of 24 h leaves)
+    assert gateway.calls[1] - gateway.calls[0] == pytest.approx(0.6 * 24 * 3600 - 60, abs=1e-3)
     assert len(holder.history) == 2
     # each sender was built from the state of its time: the new key signs the next call
     assert [s.leaf_info.serial_hex for s in gateway.senders[1:]] == [
@@ -430,7 +445,7 @@ async def test_failures_back_off_from_30_seconds_to_10_minutes(
             f"renewal failed (attempt {n}, expiresIn {format_duration(expires - call)}): "
             "the gateway is down"
         )
-    assert failed[0].expiresIn == "9h35m"  # type: ignore[attr-defined] # 9h36m less the 60 s skew
+    assert failed[0].expiresIn == "9h36m"  # type: ignore[attr-defined] # 40 % of 24 h
     assert holder.history == []
 
 
