@@ -98,3 +98,22 @@ def remove(path: Path) -> bool:
         return False
     fsync_dir(path.parent)
     return True
+
+
+def remove_stale_temps(directory: Path, names: tuple[str, ...]) -> list[Path]:
+    """Remove the temporary files a crash inside :func:`atomic_write` left for ``names``.
+
+    They may hold a private key; only regular files of exactly our pattern go.
+    """
+    removed = []
+    for name in names:
+        for path in directory.glob(f".{name}.*.tmp"):
+            suffix = path.name[len(name) + 2 : -len(".tmp")]
+            if len(suffix) == 12 and all(c in "0123456789abcdef" for c in suffix):
+                st = os.lstat(path)
+                if stat.S_ISREG(st.st_mode):
+                    os.unlink(path)
+                    removed.append(path)
+    if removed:
+        fsync_dir(directory)
+    return removed

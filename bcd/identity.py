@@ -369,6 +369,10 @@ def load_state(data_dir: Path) -> LoadedState | None:
         raise IdentityError(f"cannot read {identity_path}: {exc.strerror or exc}") from exc
     if raw is None:
         return None
+    try:
+        fs.remove_stale_temps(data_dir, (IDENTITY_FILE, NODE_KEY_FILE, NEXT_KEY_FILE))
+    except OSError as exc:
+        raise IdentityError(f"cannot tidy {data_dir}: {exc.strerror or exc}") from exc
     identity = parse_identity(raw)
     leaf = identity.leaf()
     info = pki.leaf_info(leaf)

@@ -22,11 +22,12 @@ from typing import Any
 
 import trio
 
+from bcd import failpoints
 from bcd.config import Config
 from bcd.errors import IdentityError
 from bcd.identity import LoadedState, load_state
 from bcd.journal import Journal, open_journal
-from bcd.renew import gateway_renew_sender, renewal_task
+from bcd.renew import FAIL_POINTS, gateway_renew_sender, renewal_task
 from bcd.session import SessionInfo, session_task
 
 log = logging.getLogger("bcd.node")
@@ -97,6 +98,7 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
                     wall=wall,
                     log=logging.getLogger("bcd.renew"),
                     record=record,
+                    fail_point=failpoints.from_environment(FAIL_POINTS),
                 )
             )
     finally:

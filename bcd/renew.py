@@ -399,7 +399,13 @@ async def renewal_task(
                 continue
         attempt += 1
         try:
-            new = await renew_once(state, send_factory(state), signing_pin=signing_pin, wall=wall)
+            new = await renew_once(
+                state,
+                send_factory(state),
+                signing_pin=signing_pin,
+                wall=wall,
+                fail_point=fail_point,
+            )
         except CertificateRevoked:
             raise
         except BcdError as exc:

@@ -69,21 +69,13 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
-import importlib.metadata
 import json
 import os
-import platform
-import random
 import secrets
-import ssl
-import statistics
 import sys
 import tempfile
 import time
-import uuid
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -91,170 +83,34 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import cryptography  # noqa: E402
-import psycopg  # noqa: E402
 import trio  # noqa: E402
-from cryptography.hazmat.backends.openssl import backend as openssl_backend  # noqa: E402
 from cryptography.hazmat.primitives import hashes  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec, x25519  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
 from cryptography.hazmat.primitives.kdf.concatkdf import ConcatKDFHash  # noqa: E402
 from cryptography.hazmat.primitives.keywrap import aes_key_unwrap  # noqa: E402
 
-from bcd import __version__, pki, wire  # noqa: E402
-from bcd.errors import BcdError  # noqa: E402
-from bcd.httpclient import request  # noqa: E402
+from bcd import pki, wire  # noqa: E402
 from bcd.join import verify_joined  # noqa: E402
-from bcd.tls import connect_pinned  # noqa: E402
+from bench.common import (  # noqa: E402
+    Floor,
+    build_bodies,
+    count_failures,
+    drive,
+    make_tls_server_share,
+    per_call_us,
+    pg_backends_cpu_s,
+    print_environment,
+    proc_cpu_s,
+    store_url,
+)
 from control import pki as cpki  # noqa: E402
 from tests.e2e import SECRET, TRUST_DOMAIN, ControlPlane, make_pki  # noqa: E402
-from tests.fakesys import random_mac  # noqa: E402
 
-PG_URL = os.environ.get("BCD_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
-SERVER_NAME = "127.0.0.1"
 WARMUP_JOINS = 8
-FLOOR_ROUNDS = 5
-FLOOR_ROUND_S = 0.2
-CLK_TCK = os.sysconf("SC_CLK_TCK")
-
-
-# --- CPU accounting -----------------------------------------------------------------
-
-
-def proc_cpu_s(pid: int) -> float:
-    """utime + stime of a process (all its threads, live and exited), in seconds."""
-    with open(f"/proc/{pid}/stat", encoding="ascii") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    # After "pid (comm)": state is field 3, utime field 14, stime field 15.
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def pg_backends_cpu_s(app_name: str) -> dict[int, float] | None:
-    """CPU seconds of each PostgreSQL backend of ``app_name``; None if unreadable."""
-    try:
-        with psycopg.connect(PG_URL, autocommit=True) as conn:
-            pids = [
-                int(r[0])
-                for r in conn.execute(
-                    "SELECT pid FROM pg_stat_activity WHERE application_name = %s", (app_name,)
-                ).fetchall()
-            ]
-        out: dict[int, float] = {}
-        for pid in pids:
-            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
-                out[pid] = proc_cpu_s(pid)
-        return out
-    except (psycopg.Error, OSError, ValueError):
-        return None
-
-
-# --- stores -----------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def store_url(kind: str, tmp: Path, app_name: str) -> Iterator[str]:
-    """A fresh database: a SQLite file, or a new PostgreSQL schema dropped afterwards."""
-    if kind == "sqlite":
-        yield f"sqlite:///{tmp / 'store.db'}"
-        return
-    schema = f"bench_{secrets.token_hex(6)}"
-    with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    try:
-        yield f"{PG_URL}?options=-csearch_path%3D{schema}&application_name={app_name}"
-    finally:
-        with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
-
-
-# --- request bodies -----------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Prepared:
-    body: bytes = field(repr=False)
-    csr_der: bytes = field(repr=False)
-    key: ec.EllipticCurvePrivateKey = field(repr=False)
-
-
-def build_bodies(
-    n: int, token: str, encryption_key: ec.EllipticCurvePublicKey, seed: int
-) -> list[Prepared]:
-    """N JoinRequest bodies as bcd.join builds them, each with its own machine."""
-    rng = random.Random(seed)
-    parsed = wire.parse_token(token)
-    out = []
-    for i in range(n):
-        key = pki.generate_key()
-        csr_der = pki.make_csr(key)
-        sealed = wire.seal_token(parsed, encryption_key, csr_der, int(time.time()))
-        claims = wire.Claims(
-            product_uuid=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
-            product_serial=f"BENCH{seed:03d}{i:07d}{rng.getrandbits(32):08X}",
-            macs=(random_mac(rng),),
-            hostname=f"bench-{seed}-{i}",
-            boot_id=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
-        )
-        req = wire.JoinRequest(
-            role="node",
-            attestor="",
-            sealed_token=sealed,
-            csr_der=csr_der,
-            claims=claims,
-            evidence={},
-            node_id=None,
-            daemon_version=__version__,
-        )
-        out.append(Prepared(wire.dumps(req.to_json()), csr_der, key))
-    return out
 
 
 # --- driving joins ------------------------------------------------------------------
-
-
-@dataclass
-class Outcome:
-    status: int | None = None
-    body: bytes = field(default=b"", repr=False)
-    error: str | None = None
-
-
-async def join_once(port: int, pin: str, body: bytes) -> Outcome:
-    """One join as bcd.join.gateway_sender does it: a pinned connection per attempt."""
-    try:
-        stream = await connect_pinned(SERVER_NAME, port, SERVER_NAME, pin)
-        try:
-            resp = await request(
-                stream,
-                "POST",
-                "/v1/join",
-                SERVER_NAME,
-                body,
-                headers=[("content-type", "application/json")],
-            )
-        finally:
-            await stream.aclose()
-    except BcdError as exc:
-        return Outcome(error=str(exc))
-    return Outcome(resp.status, resp.body)
-
-
-async def drive(
-    port: int, pin: str, bodies: list[Prepared], concurrency: int
-) -> tuple[list[Outcome], float]:
-    """Run every join with ``concurrency`` tasks; return the outcomes and the wall time."""
-    outcomes = [Outcome() for _ in bodies]
-    indexes = iter(range(len(bodies)))
-
-    async def worker() -> None:
-        for i in indexes:  # shared: each index is taken by exactly one task
-            outcomes[i] = await join_once(port, pin, bodies[i].body)
-
-    start = time.perf_counter()
-    async with trio.open_nursery() as nursery:
-        for _ in range(concurrency):
-            nursery.start_soon(worker)
-    return outcomes, time.perf_counter() - start
 
 
 @dataclass
@@ -309,7 +165,7 @@ def _measure(
     bodies = build_bodies(n, token["token"], encryption_key, seed=2)
     warm_out, _ = trio.run(drive, cp.gateway_port, serving_pin, warm, concurrency)
     if any(o.status != 200 for o in warm_out):
-        raise RuntimeError(f"warm-up joins failed: {_failures(warm_out)}")
+        raise RuntimeError(f"warm-up joins failed: {count_failures(warm_out)}")
 
     pg_before = pg_backends_cpu_s(app_name) if app_name else None
     server_before = proc_cpu_s(cp.proc.pid)
@@ -348,42 +204,11 @@ def _measure(
         verified=verified,
         nodes_in_db=int(nodes["n"]) - WARMUP_JOINS if nodes else -1,
         uses_left=int(left["uses_left"]) if left else -1,
-        failures=_failures(outcomes),
+        failures=count_failures(outcomes),
     )
 
 
-def _failures(outcomes: list[Outcome]) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for o in outcomes:
-        if o.status == 200:
-            continue
-        what = o.error or f"HTTP {o.status}: {o.body[:120].decode('utf-8', 'replace')}"
-        counts[what] = counts.get(what, 0) + 1
-    return counts
-
-
 # --- the crypto floor ---------------------------------------------------------------
-
-
-def per_call_us(fn: Callable[[], object]) -> float:
-    """Median CPU µs per call over FLOOR_ROUNDS rounds of about FLOOR_ROUND_S each."""
-    n = 1
-    while True:
-        start = time.process_time()
-        for _ in range(n):
-            fn()
-        spent = time.process_time() - start
-        if spent >= 0.02:
-            break
-        n *= 2
-    iterations = max(n, int(n * FLOOR_ROUND_S / spent))
-    samples = []
-    for _ in range(FLOOR_ROUNDS):
-        start = time.process_time()
-        for _ in range(iterations):
-            fn()
-        samples.append((time.process_time() - start) / iterations)
-    return statistics.median(samples) * 1e6
 
 
 def _len_prefixed(data: bytes) -> bytes:
@@ -406,16 +231,6 @@ def open_seal_bare(sealed: str, key: ec.EllipticCurvePrivateKey) -> bytes:
     cek = aes_key_unwrap(kek, pki.b64url_decode(ek64))
     ciphertext = pki.b64url_decode(ct64) + pki.b64url_decode(tag64)
     return AESGCM(cek).decrypt(pki.b64url_decode(iv64), ciphertext, h64.encode("ascii"))
-
-
-@dataclass
-class Floor:
-    items: list[tuple[str, float]]
-    extras: list[tuple[str, float]]
-
-    @property
-    def total_us(self) -> float:
-        return sum(us for _, us in self.items)
 
 
 def crypto_floor(loaded: cpki.Pki) -> Floor:
@@ -453,13 +268,7 @@ def crypto_floor(loaded: cpki.Pki) -> Floor:
         pki.spki_pin(loaded.join_signing_key.public_key()),
     )
 
-    tls_key = ec.generate_private_key(ec.SECP256R1())
-    peer_share = x25519.X25519PrivateKey.generate().public_key()
-    transcript = os.urandom(130)
-
-    def tls_server_share() -> None:
-        x25519.X25519PrivateKey.generate().exchange(peer_share)
-        tls_key.sign(transcript, ec.ECDSA(hashes.SHA256()))
+    tls_server_share = make_tls_server_share()
 
     items = [
         (
@@ -499,19 +308,6 @@ def crypto_floor(loaded: cpki.Pki) -> Floor:
 
 
 # --- output -------------------------------------------------------------------------
-
-
-def print_environment() -> None:
-    cores = os.cpu_count()
-    usable = len(os.sched_getaffinity(0))
-    print(f"Python {platform.python_version()} ({platform.python_implementation()})")
-    print(f"{ssl.OPENSSL_VERSION} (ssl module: TLS on both ends)")
-    print(
-        f"cryptography {cryptography.__version__} with {openssl_backend.openssl_version_text()} "
-        f"(seal, CSR, leaf, response), jwcrypto {importlib.metadata.version('jwcrypto')}"
-    )
-    print(f"trio {trio.__version__}, psycopg {psycopg.__version__}, bcd {__version__}")
-    print(f"cores: {cores} (usable by this process: {usable}); {platform.platform()}")
 
 
 def print_floor(floor: Floor) -> None:

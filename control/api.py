@@ -17,9 +17,8 @@ import trio
 
 from bcd import __version__, wire
 from control import events, nodes, tenancy, tokens
-from control.errors import ControlError, Refused, invalid
+from control.errors import ControlError, invalid
 from control.http import Request, Response, error_response, json_response
-from control.joinservice import JoinService
 from control.store import Store, Tx
 
 log = logging.getLogger("control.api")
@@ -31,10 +30,11 @@ T = TypeVar("T")
 @dataclass
 class App:
     store: Store
-    joinservice: JoinService
     well_known_join: dict[str, Any] | None
     gateway: dict[str, Any] | None
     limiter: trio.CapacityLimiter
+    on_revocation: Callable[[], None] = lambda: None
+    """Called after a revocation made through this API (the gateway looks at once)."""
 
     async def run(self, fn: Callable[[Tx], T]) -> T:
         def work() -> T:
@@ -207,29 +207,16 @@ class App:
         self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
     ) -> Response:
         reason = _field(body, "reason", str, "revoked")
-        return json_response(
-            200, await self.run(lambda tx: nodes.revoke_identity(tx, tenant, node_id, reason))
-        )
+        result = await self.run(lambda tx: nodes.revoke_identity(tx, tenant, node_id, reason))
+        self.on_revocation()
+        return json_response(200, result)
 
     async def _r_nodes_delete(
         self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
     ) -> Response:
-        return json_response(200, await self.run(lambda tx: nodes.delete_node(tx, tenant, node_id)))
-
-    # --- the gateway ----------------------------------------------------------------
-
-    async def gateway_handler(self, req: Request) -> Response:
-        if req.method == "POST" and req.path == "/v1/join":
-            try:
-                signed = await trio.to_thread.run_sync(
-                    self.joinservice.join, req.body, limiter=self.limiter
-                )
-            except Refused as exc:
-                return error_response("ACCESS_DENIED", exc.message)
-            except ControlError as exc:
-                return _error(exc)
-            return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
-        return error_response("NOT_FOUND", "no such path")
+        result = await self.run(lambda tx: nodes.delete_node(tx, tenant, node_id))
+        self.on_revocation()
+        return json_response(200, result)
 
 
 _ROUTES: list[tuple[str, re.Pattern[str], str]] = [

@@ -170,9 +170,10 @@ class Gateway:
             with trio.move_on_after(interval_s):
                 await self._poked.wait()
             self._poked = trio.Event()
-            # Overlap the window by a second: a revocation committed late with an
-            # earlier timestamp is still found; ``seen`` keeps it from being sent twice.
-            mark = since - 1000
+            # revoked_at is the revoking transaction's start: look back further than any
+            # transaction can last, so one committed late is still found; ``seen``
+            # keeps a revocation from being sent twice.
+            mark = since - renewal.REVOKED_SINCE_OVERLAP_MS
             try:
                 rows = await self._run(functools.partial(renewal.revoked_since, since_ms=mark))
             except Exception:  # the store may be briefly unavailable; try again
@@ -197,7 +198,7 @@ class Gateway:
                             "could not deliver a revocation to a session of %s", session.node_id
                         )
             for serial, at in list(seen.items()):
-                if at < since - 5000:
+                if at < mark - 1000:
                     del seen[serial]
 
 

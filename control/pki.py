@@ -70,6 +70,8 @@ CLOCK_SKEW = timedelta(seconds=60)
 
 def backdate(lifetime: timedelta) -> timedelta:
     return min(CLOCK_SKEW, lifetime / 10)
+
+
 ROOT_LIFETIME = timedelta(days=3653)  # 10 years
 NODE_CA_LIFETIME = timedelta(days=1827)  # 5 years
 GATEWAY_LIFETIME = timedelta(days=90)
@@ -349,7 +351,9 @@ def make_gateway_cert(
     """A gateway serving certificate from the serving CA, 90 days."""
     name = normalise_san(san)
     now = _utc(now)
-    _within_issuer(pki.serving_ca, now - backdate(GATEWAY_LIFETIME) + GATEWAY_LIFETIME, "serving CA")
+    _within_issuer(
+        pki.serving_ca, now - backdate(GATEWAY_LIFETIME) + GATEWAY_LIFETIME, "serving CA"
+    )
     builder = (
         _builder(
             _name(_san_text(name)),

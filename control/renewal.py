@@ -172,7 +172,7 @@ class RenewService:
         if pushback is not None:
             raise ControlError(
                 "RESOURCE_EXHAUSTED",
-                "too many renewals for this node; retry later",
+                "at most 6 renewals per node and hour",
                 retry_after_ms=pushback,
             )
         # Role, allowed kinds and statements come from the stored leaf and its row

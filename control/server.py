@@ -89,14 +89,14 @@ def main(
         }
     limiter = trio.CapacityLimiter(8)
     joinservice = JoinService(store, crypto, plugins)
+    gateway = Gateway(store, joinservice, RenewService(store, crypto), limiter)
     app = App(
         store=store,
-        joinservice=joinservice,
         well_known_join=well_known_join,
         gateway=gateway_doc,
         limiter=limiter,
+        on_revocation=gateway.poke,
     )
-    gateway = Gateway(store, joinservice, RenewService(store, crypto), limiter)
     api_host, api_port = _split(api_listen)
     gw_host, gw_port = _split(gateway_listen)
 

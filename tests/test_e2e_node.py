@@ -105,3 +105,45 @@ def test_node_without_identity_says_how_to_join(short_lived: ControlPlane, tmp_p
     done = node.bcd("node")
     assert done.returncode == 1
     assert "bcd join" in done.stderr
+
+
+@pytest.mark.parametrize("fail_point", ["next-key-first", "next-key", "identity", "rename"])
+def test_sigkill_at_a_renewal_storage_step_leaves_a_loadable_identity(
+    short_lived: ControlPlane, tmp_path: Path, fail_point: str
+) -> None:
+    """A real `bcd node` kills itself (SIGKILL) right after the named step is on disk;
+    the next start loads a matching key and certificate and renews again."""
+    from bcd.identity import load_state
+
+    cp = short_lived
+    site, pool = cp.site_and_pool()
+    node = Node.make(tmp_path / "n", cp, site)
+    assert node.join(cp.token(pool)["token"]).returncode == 0
+    before = _serial(node)
+    proc = subprocess.Popen(
+        [str(BIN / "bcd"), "node", "--config", str(node.config)],
+        env={**cli_env(node.root), "BCD_FAIL_POINT": fail_point},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    assert proc.wait(30) == -signal.SIGKILL
+    state = load_state(node.data_dir)
+    assert state is not None
+    assert state.leaf_info.spki_sha256 == _spki_of_key(state)
+    settled = _serial(node)
+    assert settled in (before, state.leaf_info.serial_hex)
+    again = _start_node(node)
+    try:
+        _wait(lambda: _serial(node) != settled, 20, "a renewal after the crash")
+    finally:
+        again.send_signal(signal.SIGTERM)
+        again.communicate(timeout=10)
+    reloaded = load_state(node.data_dir)
+    assert reloaded is not None
+    assert reloaded.leaf_info.spki_sha256 == _spki_of_key(reloaded)
+
+
+def _spki_of_key(state) -> str:  # type: ignore[no-untyped-def]
+    from bcd import pki
+
+    return pki.sha256_hex(pki.spki_der(state.key.public_key()))

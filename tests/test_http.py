@@ -438,7 +438,7 @@ async def test_handler_exception_is_500_without_its_text(
             resp = await httpclient.request(stream, "GET", "/boom", "gw.test")
     finally:
         await stream.aclose()
-    assert resp.status == 500
+    assert resp.status == 503
     assert json.loads(resp.body) == {"code": "UNAVAILABLE", "message": "internal error"}
     assert b"secret-detail-xyz" not in resp.body
     assert any(r.name == "control.http" and r.exc_info for r in caplog.records)

@@ -568,3 +568,19 @@ def test_apply_reset_never_overwrites(tmp_path: Path) -> None:
     with pytest.raises(IdentityError, match="cannot move"):
         apply_reset([(tmp_path / "a", tmp_path / "b")])
     assert (tmp_path / "b").read_bytes() == b"b"
+
+
+def test_load_state_removes_temporaries_a_crash_left_behind(tmp_path: Path) -> None:
+    from bcd.identity import load_state, persist_join
+    from bcd.keys.file import key_to_pem
+    from tests.certs import node_identity
+
+    key, identity = node_identity()
+    persist_join(tmp_path, identity, key_to_pem(key), datetime.now(UTC))
+    stale = tmp_path / ".node.key.next.0123456789ab.tmp"
+    stale.write_bytes(key_to_pem(key))
+    other = tmp_path / ".unrelated.tmp"
+    other.write_text("keep")
+    assert load_state(tmp_path) is not None
+    assert not stale.exists()
+    assert other.exists()

@@ -62,6 +62,10 @@ def test_a_missing_journal_is_created_0600_with_an_id(tmp_path: Path) -> None:
     with _open(data_dir) as j:
         assert JOURNAL_ID_RE.fullmatch(j.journal_id)
         assert j.path == data_dir / "journal.db"
+        j.append("renewed", {})
+        sidecars = [p for p in data_dir.iterdir() if p.name.startswith("journal.db-")]
+        assert sidecars  # the write-ahead log
+        assert all(_mode(p) == 0o600 for p in sidecars)
     assert _mode(data_dir / "journal.db") == 0o600
     assert _mode(data_dir) == 0o700
     assert not [p for p in data_dir.iterdir() if p.name.endswith(".tmp")]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import base64
 import json
+import threading
 import time
 from dataclasses import dataclass, replace
 from datetime import UTC, datetime
@@ -432,10 +433,10 @@ def test_refused_leaf_expired_for_a_certificate_that_really_expired(
     store: Store, memory_pki: Pki
 ) -> None:
     env = make_env(store, memory_pki)
-    short = replace(env.crypto, cert_ttl_s=61)  # valid from now - 60 s: 1 s left
+    short = replace(env.crypto, cert_ttl_s=2)
     env.joins = JoinService(store, short, PLUGINS)
     node = env.join(16)
-    time.sleep(1.2)
+    time.sleep(max(0.0, node.leaf.not_valid_after_utc.timestamp() - time.time()) + 1.1)
     env.refused(env.body(node), node.der, "leaf-expired", routed_to=ROOT, node=node)
 
 
@@ -700,6 +701,46 @@ def test_pushback_counts_until_the_oldest_renewal_in_the_window_leaves_it(env: E
         at = tx.now_ms()
     # seven in the window: two must leave it, the second at now - 3_000_000 + 1000 + 1 h
     assert pushback == now - 3_000_000 + 1000 + 3_600_000 - at
+
+
+def _race(n: int, work: Any) -> list[Any]:
+    """Run ``work(i)`` in ``n`` threads at once; return each result or exception."""
+    barrier = threading.Barrier(n)
+    out: list[Any] = [None] * n
+
+    def run(i: int) -> None:
+        barrier.wait()
+        try:
+            out[i] = work(i)
+        except Exception as exc:
+            out[i] = exc
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def test_one_proof_sent_eight_times_at_once_renews_exactly_once(env: Env) -> None:
+    node = env.join(43)
+    attempt = env.body(node)
+    out = _race(8, lambda _i: env.renewals.renew(attempt.body, node.der))
+    assert sum(isinstance(r, str) for r in out) == 1
+    refusals = [r for r in out if not isinstance(r, str)]
+    assert all(isinstance(r, RenewRefused) and r.reason == "pop-replay" for r in refusals)
+    assert len(env.rows("SELECT * FROM renewals")) == 1
+
+
+def test_ten_renewals_at_once_stay_within_six_an_hour(env: Env) -> None:
+    node = env.join(44)
+    attempts = [env.body(node) for _ in range(10)]
+    out = _race(10, lambda i: env.renewals.renew(attempts[i].body, node.der))
+    assert sum(isinstance(r, str) for r in out) == RENEWALS_PER_HOUR
+    rest = [r for r in out if not isinstance(r, str)]
+    assert all(isinstance(r, ControlError) and r.code == "RESOURCE_EXHAUSTED" for r in rest)
+    assert len(env.rows("SELECT * FROM renewals")) == RENEWALS_PER_HOUR
 
 
 # --- for the gateway ------------------------------------------------------------------
