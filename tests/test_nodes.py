@@ -232,12 +232,13 @@ async def call(
 
 
 async def test_api_revoke_identity_and_delete(env: Env) -> None:
+    pokes: list[bool] = []
     app = App(
         store=env.store,
-        joinservice=env.joins,
         well_known_join=None,
         gateway=None,
         limiter=trio.CapacityLimiter(4),
+        on_revocation=lambda: pokes.append(True),
     )
     node = await trio.to_thread.run_sync(env.join, 9)
     with env.store.tx() as tx:
@@ -261,6 +262,7 @@ async def test_api_revoke_identity_and_delete(env: Env) -> None:
     )
     assert status == 200
     assert got == {"nodeId": node.node_id, "reason": "stolen", "revoked": [node.serial]}
+    assert pokes == [True]  # the gateway is told at once
     status, got = await call(app, "POST", base + "/revoke-identity", env.tenant_credential)
     assert (status, got["revoked"], got["reason"]) == (200, [], "revoked")
     status, got = await call(
