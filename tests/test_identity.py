@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import stat
+import tempfile
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -324,12 +325,24 @@ def test_unreadable_node_key(tmp_path: Path, ca: CertAuthority) -> None:
     assert str(info.value).endswith(WAY_BACK)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
 def test_node_key_without_permission(tmp_path: Path, ca: CertAuthority) -> None:
+    """A reader that may not open node.key (the unprivileged bcd user) is told so."""
+    import pwd
+
+    nobody = pwd.getpwnam("nobody")
     joined(tmp_path, ca)
-    os.chmod(tmp_path / "node.key", 0)
-    with pytest.raises(IdentityError, match="cannot read") as info:
-        load_state(tmp_path)
+    tmp_path.chmod(0o711)
+    for parent in tmp_path.parents:  # pytest's base temp dirs are root's 0700
+        if parent == Path(tempfile.gettempdir()):
+            break
+        parent.chmod(parent.stat().st_mode | 0o011)
+    os.chmod(tmp_path / "identity.json", 0o644)
+    os.seteuid(nobody.pw_uid)  # node.key stays root's 0600
+    try:
+        with pytest.raises(IdentityError, match="cannot read") as info:
+            load_state(tmp_path)
+    finally:
+        os.seteuid(0)
     assert str(info.value).endswith(WAY_BACK)
 
 
