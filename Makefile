@@ -4,9 +4,33 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: quickstart test lint typecheck pytest bench clean
+# Debian packages the TPM tests and the tpm2-pytss build need (swtpm with its local
+# CA, tpm2-tools, the tpm2-tss headers and swtpm TCTI) and what building a wheel and
+# a venv takes on a fresh machine. Installed only when one is missing.
+DEB_PACKAGES := swtpm swtpm-tools tpm2-tools libtss2-dev libtss2-tcti-swtpm0 pkg-config \
+	gcc python3-dev python3-venv
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
 
-$(STAMP): pyproject.toml
+.PHONY: quickstart test lint typecheck pytest bench clean system-packages
+
+# Runs on every make (a dpkg-query, a few ms) but, as an order-only prerequisite,
+# does not make $(STAMP) out of date. apt-get update only when the install fails
+# without it (no or stale package lists).
+system-packages:
+	@if ! command -v dpkg-query >/dev/null 2>&1; then \
+	  echo "not a Debian system: install the equivalents of $(DEB_PACKAGES) yourself"; \
+	else \
+	  missing=$$(for p in $(DEB_PACKAGES); do \
+	    dpkg-query -W -f='$${db:Status-Abbrev}' $$p 2>/dev/null | grep -q '^ii' || echo $$p; done); \
+	  if [ -n "$$missing" ]; then \
+	    echo "installing Debian packages:" $$missing; \
+	    $(APT) install -y -q $$missing || \
+	      { $(APT) update -q && $(APT) install -y -q $$missing; } || exit 1; \
+	  fi; \
+	fi
+
+$(STAMP): pyproject.toml | system-packages
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 11), "bcd needs Python 3.11 or newer"'
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip

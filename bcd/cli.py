@@ -282,20 +282,30 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from bcd.errors import CertificateRevoked
-    from bcd.node import REVOKED_MESSAGE, run_node
+    from bcd.errors import CertificateRevoked, ConfigError, IdentityError
+    from bcd.node import (
+        EXIT_INTERNAL,
+        EXIT_NEEDS_OPERATOR,
+        EXIT_TEMPORARY,
+        REVOKED_MESSAGE,
+        run_node,
+    )
 
     logging.getLogger().setLevel(logging.INFO)
     cfg = load_config(Path(args.config))
     outcome = 0
     try:
         trio.run(run_node, cfg)
-    except* CertificateRevoked:
+    except* CertificateRevoked as group:
+        logging.getLogger("bcd.node").error("%s", group.exceptions[0])
         print(REVOKED_MESSAGE, file=sys.stderr)
-        outcome = 1
+        outcome = EXIT_NEEDS_OPERATOR
+    except* (IdentityError, ConfigError) as group:
+        print(f"agent: {group.exceptions[0]}", file=sys.stderr)
+        outcome = EXIT_NEEDS_OPERATOR
     except* BcdError as group:
         print(f"agent: {group.exceptions[0]}", file=sys.stderr)
-        outcome = 1
+        outcome = EXIT_TEMPORARY
     except* Exception as group:
         logging.getLogger("bcd.node").error(
             "agent: a task failed; stopping", exc_info=group.exceptions[0]
@@ -304,7 +314,7 @@ def cmd_node(args: argparse.Namespace) -> int:
             f"agent: stopped after an internal error ({type(group.exceptions[0]).__name__})",
             file=sys.stderr,
         )
-        outcome = 1
+        outcome = EXIT_INTERNAL
     return outcome
 
 

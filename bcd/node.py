@@ -6,7 +6,9 @@ every dial. SIGTERM or SIGINT cancels the nursery and ``bcd node`` exits 0. A
 RevocationNotice (or the gateway refusing the certificate) stops everything and
 ``bcd node`` exits 1 with ``agent: this node's certificate was revoked``; nothing
 on disk is deleted. Any other failure of a task cancels the others too (no task
-is silently survived) and ``bcd node`` exits 1 naming it.
+is silently survived) and ``bcd node`` exits non-zero naming it: 1 when a person
+must act (revoked, not joined, expired), 75 for a temporary failure, 70 for a bug,
+so a service manager restarts only the last two.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -24,7 +26,7 @@ import trio
 
 from bcd import failpoints
 from bcd.config import Config
-from bcd.errors import IdentityError
+from bcd.errors import CertificateRevoked, IdentityError
 from bcd.identity import LoadedState, load_state
 from bcd.journal import Journal, open_journal
 from bcd.renew import FAIL_POINTS, gateway_renew_sender, renewal_task
@@ -33,6 +35,9 @@ from bcd.session import SessionInfo, session_task
 log = logging.getLogger("bcd.node")
 
 REVOKED_MESSAGE = "agent: this node's certificate was revoked"
+EXIT_NEEDS_OPERATOR = 1  # revoked, not joined, expired, identity or config broken
+EXIT_TEMPORARY = 75  # EX_TEMPFAIL: e.g. the journal could not be opened; retry later
+EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug ended a task
 
 
 @dataclass
@@ -86,6 +91,19 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
         return await trio.to_thread.run_sync(journal.append, kind, payload)
 
     try:
+        await _supervise(cfg, holder, info, wall, record)
+    finally:
+        await trio.to_thread.run_sync(journal.close)
+
+
+async def _supervise(
+    cfg: Config,
+    holder: StateHolder,
+    info: SessionInfo,
+    wall: Callable[[], float],
+    record: Callable[[str, dict[str, Any]], Awaitable[object]],
+) -> None:
+    try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_signals, nursery.cancel_scope)
             nursery.start_soon(session_task, cfg, holder.get, info)
@@ -101,8 +119,9 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
                     fail_point=failpoints.from_environment(FAIL_POINTS),
                 )
             )
-    finally:
-        await trio.to_thread.run_sync(journal.close)
+    except* CertificateRevoked as group:
+        await record("revoked", {"reason": str(group.exceptions[0])[:200]})
+        raise
 
 
 async def _signals(scope: trio.CancelScope) -> None:

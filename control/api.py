@@ -2,7 +2,7 @@
 
 Handlers parse the request into typed values, run one store transaction in a worker
 thread, and answer JSON. A ControlError becomes ``{"code", "message"}``; any other
-exception becomes a generic 500 in control.http, never its text.
+exception becomes a generic 503 UNAVAILABLE in control.http, never its text.
 """
 
 from __future__ import annotations

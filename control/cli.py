@@ -56,6 +56,16 @@ def parse_ttl(text: str) -> int:
     return int(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
 
 
+def _cert_ttl(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("a whole number of seconds") from None
+    if not 10 <= value <= 86_400:
+        raise argparse.ArgumentTypeError("from 10 to 86400 seconds")
+    return value
+
+
 def _now() -> datetime:
     return datetime.now(UTC)
 
@@ -432,9 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
     p.add_argument(
         "--cert-ttl-seconds",
-        type=int,
+        type=_cert_ttl,
         default=86_400,
-        choices=range(10, 86_401),
         metavar="10..86400",
         help="node certificate lifetime (certTtlSeconds; default and maximum 86400)",
     )

@@ -44,6 +44,9 @@ class _Session:
     node_id: str
     serial: str
     send: trio.MemorySendChannel[dict[str, Any]]
+    ends_in_s: float
+    """The certificate's remaining life: the session closes when it ends, and the
+    node opens the next one with its renewed certificate."""
 
 
 @dataclass
@@ -121,8 +124,9 @@ class Gateway:
             raise ControlError("INVALID_ARGUMENT", f"malformed Hello: {exc}") from exc
         if hello.node_id != node_id:
             raise ControlError("ACCESS_DENIED", "the Hello names another node")
+        remaining_ms = await self._run(functools.partial(renewal.remaining_ms, serial=serial))
         send, receive = trio.open_memory_channel[dict[str, Any]](8)
-        session = _Session(node_id, serial, send)
+        session = _Session(node_id, serial, send, max(0.0, remaining_ms / 1000))
         self.sessions.setdefault(serial, []).append(session)
         session_id = "sess_" + secrets.token_hex(8)
         log.info(
@@ -144,16 +148,18 @@ class Gateway:
         session_id: str,
         receive: trio.MemoryReceiveChannel[dict[str, Any]],
     ) -> AsyncIterator[bytes]:
+        deadline = trio.current_time() + session.ends_in_s
         try:
             yield _line({"type": "welcome", "session_id": session_id})
-            while True:
-                with trio.move_on_after(self.ping_interval_s):
+            while trio.current_time() < deadline:
+                with trio.move_on_at(min(deadline, trio.current_time() + self.ping_interval_s)):
                     notice = await receive.receive()
                     yield _line(notice)
                     if notice.get("type") == "revocation":
                         return
                     continue
-                yield _line({"type": "ping"})
+                if trio.current_time() < deadline:
+                    yield _line({"type": "ping"})
         finally:
             peers = self.sessions.get(session.serial, [])
             if session in peers:

@@ -4,7 +4,7 @@ Each connection does its TLS handshake here, so the handler sees the client
 certificate (``Request.peer_cert_der``). Keep-alive, a request size limit,
 chunked streaming responses (the session stream), and errors in the protocol's
 ``{"code", "message"}`` form. A handler's exception is logged and answered with
-a 500 that never carries its text.
+a 503 UNAVAILABLE that never carries its text.
 """
 
 from __future__ import annotations

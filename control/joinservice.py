@@ -431,10 +431,11 @@ def signed_identity(
 def record_refusal(
     store: Store, refusal: Refused, type_: str, rate_key: str, payload: dict[str, Any]
 ) -> None:
-    """Publish a refusal event after the rollback, rate-limited per ``rate_key``.
+    """Publish a refusal event after the rollback, rate-limited per tenant and ``rate_key``.
 
     It goes to ``refusal.tenant_id`` when set (the caller proved a secret or key),
-    else to the root tenant. A failure here is logged, never raised: the refusal
+    else to the root tenant. The budget is per receiving tenant, so one tenant's
+    refusals neither use up another's nor show in its ``suppressed`` counts. A failure here is logged, never raised: the refusal
     itself must still reach the caller.
     """
     try:
@@ -443,6 +444,6 @@ def record_refusal(
             if tenant is None:
                 log.warning("%s (%s) and no root tenant to tell", type_, refusal.reason)
                 return
-            events.publish_rate_limited(tx, tenant, type_, rate_key, payload)
+            events.publish_rate_limited(tx, tenant, type_, f"{tenant}|{rate_key}", payload)
     except Exception:
         log.exception("could not record a refusal (%s)", type_)

@@ -331,6 +331,12 @@ def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
     return str(row["node_id"]), str(row["serial"])
 
 
+def remaining_ms(tx: Tx, serial: str) -> int:
+    """How long the certificate ``serial`` is still valid at ``compute_now()`` (≤ 0: not)."""
+    row = tx.one("SELECT not_after FROM node_certs WHERE serial = ?", (serial,))
+    return (int(row["not_after"]) if row else 0) - tx.now_ms()
+
+
 def revoked_since(tx: Tx, since_ms: int) -> list[Row]:
     """Certificates revoked after ``since_ms``: serial, node_id, revoke_reason, revoked_at.
 

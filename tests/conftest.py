@@ -99,3 +99,25 @@ def sqlite_control_plane(tmp_path: Path, pki_template: Path):  # type: ignore[no
         yield cp
     finally:
         cp.stop()
+
+
+@pytest.fixture(scope="session")
+def swtpm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    """A swtpm provisioned for this test session (EK certificates from a local CA).
+
+    Yields a running :class:`tests.swtpm.SwTpm` (``.tcti``, ``.ca_bundle``,
+    ``restart()``, ``clear()``, ``stop()``). TSS2_LOG is silenced for the session.
+    """
+    from tests.swtpm import QUIET_TSS2_LOG, SwTpm, missing_tools
+
+    missing = missing_tools()
+    if missing:
+        pytest.fail(f"the TPM tests need {', '.join(missing)}: run `make test` to install them")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("TSS2_LOG", QUIET_TSS2_LOG)
+        tpm = SwTpm.provision(tmp_path_factory.mktemp("swtpm"))
+        tpm.start()
+        try:
+            yield tpm
+        finally:
+            tpm.stop()

@@ -826,7 +826,7 @@ def test_refusal_events_are_rate_limited_to_60_a_minute_with_suppressed_count(
 
     world.sql(
         "UPDATE refusal_windows SET window_start = window_start - 61000 WHERE rate_key = ?",
-        ("join|join-token|join-token:seal-invalid",),
+        (f"{world.root}|join|join-token|join-token:seal-invalid",),
     )
 
     def suppressed_counts() -> list[int]:
