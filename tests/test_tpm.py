@@ -6,6 +6,8 @@ import contextlib
 import hashlib
 import json
 import struct
+import subprocess
+import sys
 from collections.abc import Iterator
 
 import pytest
@@ -30,6 +32,7 @@ from bcd.tpm.nodekey import (
     public_key_of,
     sign,
 )
+from bcd.tpm.record import node_key_public
 from bcd.tpm.structures import (
     ALG_ECDSA,
     ALG_SHA256,
@@ -163,6 +166,27 @@ def test_open_unreachable_or_bad_tcti() -> None:
             pass  # pragma: no cover
 
 
+def test_lost_tpm_is_a_clear_error(swtpm: SwTpm) -> None:
+    with open_tpm(swtpm.tcti) as t:
+        swtpm.stop()
+        try:
+            with pytest.raises(TpmError, match="cannot reach the TPM at swtpm:"):
+                derive_node_key(t, create_node_key_record())
+        finally:
+            swtpm.start()
+    with open_tpm(swtpm.tcti) as t:
+        derive_node_key(t, create_node_key_record())
+
+
+def test_pure_modules_do_not_load_tpm2_pytss() -> None:
+    """The control plane and ``bcd node`` parse TPM structures without libtss2."""
+    code = (
+        "import sys, bcd.tpm.record, bcd.tpm.structures, bcd.tpm.templates, bcd.tpm.verify\n"
+        "assert 'tpm2_pytss' not in sys.modules, 'tpm2_pytss was imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
 def test_closed_tpm_refuses(swtpm: SwTpm) -> None:
     with open_tpm(swtpm.tcti) as t:
         pass
@@ -236,6 +260,30 @@ def test_record_parser_raises_only_tpm_error(data: bytes) -> None:
 def test_record_dict_parser_raises_only_tpm_error(data: dict[str, object]) -> None:
     with contextlib.suppress(TpmError):
         NodeKeyRecord.from_dict(data)
+
+
+def test_node_key_public_checks_attributes_and_pin() -> None:
+    key = ec.generate_private_key(ec.SECP256R1()).public_key()
+    numbers = key.public_numbers()
+    area = ecc_public(
+        name_alg=ALG_SHA256,
+        attributes=NODE_KEY_ATTRIBUTES,
+        scheme=ALG_ECDSA,
+        scheme_hash=ALG_SHA256,
+        curve=ECC_NIST_P256,
+        x=numbers.x.to_bytes(32, "big"),
+        y=numbers.y.to_bytes(32, "big"),
+    )
+    record = create_node_key_record()
+    public = node_key_public(area, record.pinned(key))
+    assert spki_pin(public.public_key) == spki_pin(key)
+    assert public.name == name_of(area)
+    assert node_key_public(area, record).public_area == area  # unpinned: any node key
+    other = ec.generate_private_key(ec.SECP256R1()).public_key()
+    with pytest.raises(TpmKeyMismatch):
+        node_key_public(area, record.pinned(other))
+    with pytest.raises(TpmError, match="node-key attributes"):
+        node_key_public(_software_ak(ec.generate_private_key(ec.SECP256R1())), record)
 
 
 def test_node_key_is_derived_again_and_has_the_node_key_attributes(tpm: Tpm) -> None:
