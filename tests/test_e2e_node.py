@@ -94,9 +94,14 @@ def test_node_exits_cleanly_on_sigterm(short_lived: ControlPlane, tmp_path: Path
     node = Node.make(tmp_path / "n", cp, site)
     assert node.join(cp.token(pool)["token"]).returncode == 0
     proc = _start_node(node)
-    time.sleep(1.5)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(10) == 0, proc.communicate()
+    try:
+        time.sleep(1.5)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(10) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate()
 
 
 def test_node_without_identity_says_how_to_join(short_lived: ControlPlane, tmp_path: Path) -> None:
@@ -126,7 +131,12 @@ def test_sigkill_at_a_renewal_storage_step_leaves_a_loadable_identity(
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
-    assert proc.wait(30) == -signal.SIGKILL
+    try:
+        assert proc.wait(30) == -signal.SIGKILL
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
     state = load_state(node.data_dir)
     assert state is not None
     assert state.leaf_info.spki_sha256 == _spki_of_key(state)
