@@ -13,11 +13,11 @@ import logging
 import os
 import sys
 import urllib.parse
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -31,6 +31,10 @@ from bcd.httpclient import fetch_url
 from bcd.identity import apply_reset, load_state, persist_join, reset_plan
 from bcd.keys.file import generate_file_key, key_to_pem
 from bcd.plugins import JOIN_TOKEN, load_plugins
+from bcd.tpm.record import NodeKeyRecord
+
+if TYPE_CHECKING:
+    from bcd.join import HeldKey
 
 DEFAULT_CONFIG = Path("/etc/bcd/config.toml")
 WELL_KNOWN = "/.well-known/better-compute"
@@ -177,6 +181,36 @@ def _read_credential(args: argparse.Namespace) -> Credential | None:
     return read_stdin(sys.stdin.buffer)
 
 
+TPM_ATTESTOR = "tpm"
+
+
+def _derive_in_tpm(cfg: Config) -> Callable[[NodeKeyRecord], ec.EllipticCurvePublicKey]:
+    """LoadState's ``derive`` for a TPM-held node key: bcd join (root) opens the TPM."""
+
+    def derive(record: NodeKeyRecord) -> ec.EllipticCurvePublicKey:
+        from bcd.tpm.device import open_tpm
+        from bcd.tpm.nodekey import derive_node_key
+
+        with open_tpm(cfg.tpm.tcti) as tpm:
+            return derive_node_key(tpm, record)
+
+    return derive
+
+
+def _tpm_node_key(cfg: Config) -> HeldKey:
+    """A new node key in the TPM: its record (pinned to the key), public half and CSR."""
+    from bcd.join import HeldKey
+    from bcd.tpm.device import open_tpm
+    from bcd.tpm.nodekey import create_node_key_record, derive_node_key, sign
+
+    with open_tpm(cfg.tpm.tcti) as tpm:
+        record = create_node_key_record()
+        record = record.pinned(derive_node_key(tpm, record))
+        public_key = derive_node_key(tpm, record)
+        csr_der = pki.make_csr_with(public_key, lambda digest: sign(tpm, record, digest))
+    return HeldKey(public_key, csr_der, record.to_dict())
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise BcdError("bcd join must run as root (it writes the node's identity)")
@@ -190,6 +224,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         if args.data_dir:
             cfg = replace(cfg, data_dir=Path(args.data_dir).absolute())
     data_dir = cfg.data_dir
+    if args.attestor == TPM_ATTESTOR and cfg.tpm.mode == "off":
+        raise JoinError("--attestor tpm needs the TPM, but the configuration says [tpm] mode = off")
 
     plan: list[tuple[Path, Path]] = []
     if args.reset:
@@ -202,7 +238,7 @@ def cmd_join(args: argparse.Namespace) -> int:
             print("nothing was moved; run again with --reset --yes to move the identity aside")
             return 2
     else:
-        state = load_state(data_dir)
+        state = load_state(data_dir, _derive_in_tpm(cfg))
         if state is not None:
             ident = state.identity
             if args.node_id and args.node_id != ident.node_id:
@@ -233,7 +269,13 @@ def cmd_join(args: argparse.Namespace) -> int:
             encryption_key = _key_from_document(doc, cfg.join_encryption_key_pin, args.server)
     from bcd.join import join
 
-    key = generate_file_key()
+    key: ec.EllipticCurvePrivateKey | HeldKey
+    if args.attestor == TPM_ATTESTOR:
+        key = _tpm_node_key(cfg)
+        key_bytes = NodeKeyRecord.from_dict(key.record).to_json()
+    else:
+        key = generate_file_key()
+        key_bytes = key_to_pem(key)
     joined = trio.run(
         lambda: join(
             cfg,
@@ -251,7 +293,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     # The old identity moves aside only once the new one is in hand: a refused or
     # failed join after --reset --yes leaves the machine as it was.
     apply_reset(plan)
-    persist_join(data_dir, ident, key_to_pem(key), _now())
+    persist_join(data_dir, ident, key_bytes, _now())
     if bootstrap_doc is not None:
         cfg = replace(cfg, site=ident.site_id)
         fs.ensure_dir(config_path.parent, 0o755)
@@ -318,6 +360,12 @@ def cmd_node(args: argparse.Namespace) -> int:
     return outcome
 
 
+def cmd_helper(args: argparse.Namespace) -> int:
+    from bcd.helper.server import run_helper
+
+    return run_helper(load_config(Path(args.config)))
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     print(f"bcd {__version__}")
     return 0
@@ -331,7 +379,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_join)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--token-file", help="a file only its owner can read (0600/0400), deleted after")
-    p.add_argument("--attestor", default=JOIN_TOKEN)
+    p.add_argument(
+        "--attestor", default=JOIN_TOKEN, help="join-token (default), tpm (no token), or a plugin's"
+    )
     p.add_argument("--role", default="node", choices=["node", "site", "ramdisk"])
     p.add_argument("--node-id")
     p.add_argument("--reset", action="store_true", help="move the identity aside first")
@@ -350,6 +400,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("node", help="run the agent: renew the identity, keep the session open")
     p.set_defaults(fn=cmd_node)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+
+    p = sub.add_parser("helper", help="serve the TPM to bcd node over a Unix socket (as root)")
+    p.set_defaults(fn=cmd_helper)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
 
     p = sub.add_parser("version")

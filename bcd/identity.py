@@ -3,7 +3,8 @@
 Layout of the data directory (0700)::
 
     identity.json     0600  the Identity below, as JSON
-    node.key          0600  the node key: PKCS#8 PEM (key "file")
+    node.key          0600  the node key: PKCS#8 PEM (key "file"), or the JSON record
+                            the TPM derives it from (key "tpm", bcd.tpm.record)
     node.key.next     0600  the next key, only while a renewal is under way
     journal.db        the node's journal (SQLite); not touched here except to move it
 
@@ -34,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -42,6 +43,8 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from bcd import fs, pki
 from bcd.errors import IdentityError
 from bcd.keys.file import load_key_pem
+from bcd.tpm import KEY_MISMATCH_MESSAGE, TpmError, TpmKeyMismatch
+from bcd.tpm.record import NodeKeyRecord
 
 IDENTITY_FILE = "identity.json"
 NODE_KEY_FILE = "node.key"
@@ -58,8 +61,12 @@ MAX_KEY_BYTES = 64 * 1024
 WAY_BACK = "join again: bcd join --reset --yes, then bcd join"
 KEY_MISMATCH = f"the node key does not match the node certificate; {WAY_BACK}"
 TPM_KEY_MISMATCH = (
-    "the node key does not match the node certificate; the TPM derives another key "
-    f"from node.key (was the TPM cleared?); {WAY_BACK}"
+    f"the node key does not match the node certificate; {KEY_MISMATCH_MESSAGE}; {WAY_BACK}"
+)
+TPM_NODE_UNSUPPORTED = (
+    "this identity's key is held in the TPM, and bcd node cannot use a TPM-held key yet "
+    "(mutual TLS with a TPM key is an open design question, see docs/decisions.md); "
+    "to run bcd node, join again with a join token: bcd join --reset --yes, then bcd join"
 )
 NOT_JOINED = "this node has not joined; run: bcd join"
 
@@ -358,8 +365,42 @@ class LoadedState:
         return _utc(now) >= self.leaf_info.not_after
 
 
-def load_state(data_dir: Path) -> LoadedState | None:
-    """Load the identity (the seed's LoadState); None when the node has not joined."""
+@dataclass(frozen=True, slots=True, eq=False)
+class LoadedTpmState:
+    """An identity whose key the TPM derives from node.key's record, matching its leaf."""
+
+    data_dir: Path
+    identity: Identity
+    record: NodeKeyRecord
+    public_key: ec.EllipticCurvePublicKey
+    leaf: x509.Certificate
+    leaf_info: pki.LeafInfo
+
+    def expired(self, now: datetime) -> bool:
+        return _utc(now) >= self.leaf_info.not_after
+
+
+Derive = Callable[[NodeKeyRecord], ec.EllipticCurvePublicKey]
+"""Maps node.key's TPM record to the public key the TPM derives from it (opening the
+TPM: only root may); raises :class:`~bcd.tpm.TpmKeyMismatch` or TpmError."""
+
+
+@overload
+def load_state(data_dir: Path) -> LoadedState | None: ...
+
+
+@overload
+def load_state(data_dir: Path, derive: Derive) -> LoadedState | LoadedTpmState | None: ...
+
+
+def load_state(data_dir: Path, derive: Derive | None = None) -> LoadedState | LoadedTpmState | None:
+    """Load the identity (the seed's LoadState); None when the node has not joined.
+
+    An identity with a TPM key (``key: "tpm"``) loads only with ``derive``: node.key's
+    record must be pinned to the leaf's key and the TPM must derive that key again,
+    else :data:`TPM_KEY_MISMATCH`. Without ``derive`` it is refused with
+    :data:`TPM_NODE_UNSUPPORTED`. A TPM that cannot be reached raises TpmError.
+    """
     if not _data_dir_exists(data_dir):
         return None
     identity_path = data_dir / IDENTITY_FILE
@@ -378,10 +419,11 @@ def load_state(data_dir: Path) -> LoadedState | None:
     info = pki.leaf_info(leaf)
     leaf_key = leaf.public_key()
     assert isinstance(leaf_key, ec.EllipticCurvePublicKey)  # leaf_info checked it
-    if identity.key != "file":
-        raise IdentityError(
-            f"this identity's key is held in the TPM, which this bcd cannot use; {WAY_BACK}"
-        )
+    if identity.key == "tpm":
+        if derive is None:
+            raise IdentityError(TPM_NODE_UNSUPPORTED)
+        record, public_key = _derive_tpm_key(data_dir, leaf_key, derive)
+        return LoadedTpmState(data_dir, identity, record, public_key, leaf, info)
     next_key = _settle_next_key(data_dir, leaf_key)
     key = _load_node_key(data_dir)
     if not pki.same_public_key(key.public_key(), leaf_key):
@@ -394,6 +436,31 @@ def load_state(data_dir: Path) -> LoadedState | None:
         leaf_info=info,
         next_key=next_key,
     )
+
+
+def _derive_tpm_key(
+    data_dir: Path, leaf_key: ec.EllipticCurvePublicKey, derive: Derive
+) -> tuple[NodeKeyRecord, ec.EllipticCurvePublicKey]:
+    path = data_dir / NODE_KEY_FILE
+    try:
+        raw = _read_regular(path, MAX_KEY_BYTES)
+    except OSError as exc:
+        raise IdentityError(f"cannot read {path}: {exc.strerror or exc}; {WAY_BACK}") from exc
+    if raw is None:
+        raise IdentityError(f"the node key {path} is missing; {WAY_BACK}")
+    try:
+        record = NodeKeyRecord.from_json(raw)
+    except TpmError as exc:
+        raise IdentityError(f"the node key {path} does not load: {exc}; {WAY_BACK}") from exc
+    if record.pin is None or not pki.pins_equal(record.pin, pki.spki_pin(leaf_key)):
+        raise IdentityError(KEY_MISMATCH)
+    try:
+        public_key = derive(record)
+    except TpmKeyMismatch as exc:
+        raise IdentityError(TPM_KEY_MISMATCH) from exc
+    if not pki.same_public_key(public_key, leaf_key):
+        raise IdentityError(TPM_KEY_MISMATCH)
+    return record, public_key
 
 
 def _settle_next_key(data_dir: Path, leaf_key: ec.EllipticCurvePublicKey) -> NextKey:
@@ -444,12 +511,18 @@ def persist_join(data_dir: Path, identity: Identity, key_pem: bytes, now: dateti
     ``journal.db.<oldNode>-<unix time>``; a stale node.key.next is removed; node.key
     then identity.json are written (0600, atomically).
     """
+    leaf_key = identity.leaf().public_key()
+    if not isinstance(leaf_key, ec.EllipticCurvePublicKey):
+        raise IdentityError("the issued certificate does not certify the node key")
     if identity.key == "file":
-        key = load_key_pem(key_pem)
-        leaf_key = identity.leaf().public_key()
-        if not isinstance(leaf_key, ec.EllipticCurvePublicKey) or not pki.same_public_key(
-            key.public_key(), leaf_key
-        ):
+        if not pki.same_public_key(load_key_pem(key_pem).public_key(), leaf_key):
+            raise IdentityError("the issued certificate does not certify the node key")
+    else:
+        try:
+            pin = NodeKeyRecord.from_json(key_pem).pin
+        except TpmError as exc:
+            raise IdentityError(f"the TPM key record does not load: {exc}") from exc
+        if pin is None or not pki.pins_equal(pin, pki.spki_pin(leaf_key)):
             raise IdentityError("the issued certificate does not certify the node key")
     try:
         fs.ensure_dir(data_dir, 0o700)

@@ -23,13 +23,14 @@ from bcd import __version__, pki, wire
 from bcd.config import Config, gateway_host_port
 from bcd.errors import BcdError, JoinError, PeerVerificationError, RetryableError, TransportError
 from bcd.httpclient import request
-from bcd.identity import Identity, make_identity
+from bcd.identity import Identity, KeyKind, make_identity
 from bcd.plugins import NodeJoinContext, Plugins, wire_name
 from bcd.tls import connect_pinned
 
 log = logging.getLogger("bcd.join")
 
 MAX_ATTEMPTS = 20
+MAX_CHALLENGE_ROUNDS = 3
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
 REFUSED = "the control plane refused the join (ACCESS_DENIED: Join refused)"
@@ -39,6 +40,18 @@ REFUSED = "the control plane refused the join (ACCESS_DENIED: Join refused)"
 class Joined:
     identity: Identity
     body: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKey:
+    """A node key held elsewhere (the TPM): its public half, its CSR and its record.
+
+    ``record`` is the JSON object node.key holds (:class:`bcd.tpm.record.NodeKeyRecord`).
+    """
+
+    public_key: ec.EllipticCurvePublicKey
+    csr_der: bytes
+    record: dict[str, Any]
 
 
 def verify_signed(signed: str, *, signing_pin: str, what: str = "join") -> dict[str, Any]:
@@ -117,7 +130,7 @@ def verify_joined(
     return body
 
 
-def identity_of(body: dict[str, Any]) -> Identity:
+def identity_of(body: dict[str, Any], key_kind: KeyKind = "file") -> Identity:
     server_ms = body.get("server_time")
     server_time = (
         datetime.fromtimestamp(server_ms / 1000, UTC).isoformat().replace("+00:00", "Z")
@@ -132,7 +145,7 @@ def identity_of(body: dict[str, Any]) -> Identity:
         bundle=bundle if isinstance(bundle, str) else "",
         trust_version=trust_version if isinstance(trust_version, int) else 1,
         server_time=server_time,
-        key="file",
+        key=key_kind,
         identity_generation=generation if isinstance(generation, int) else 1,
     )
 
@@ -208,28 +221,45 @@ async def join(
     credential: str | None,
     encryption_key: ec.EllipticCurvePublicKey | None,
     claims: wire.Claims,
-    key: ec.EllipticCurvePrivateKey,
+    key: ec.EllipticCurvePrivateKey | HeldKey,
     node_id: str | None = None,
     send: Sender | None = None,
     attempts: int = MAX_ATTEMPTS,
     wall: Callable[[], float] | None = None,
 ) -> Joined:
-    """Run the join; return the verified body and the identity to persist."""
+    """Run the join; return the verified body and the identity to persist.
+
+    ``key`` is a file key, or a :class:`HeldKey` (in the TPM; the identity's key is
+    then ``tpm``). A ``challenge`` answer is answered by the attestor's node half with
+    the same CSR, at most :data:`MAX_CHALLENGE_ROUNDS` times, never after its
+    ``not_after``; a ``pending`` one is waited out.
+    """
     import time
 
     clock = wall or time.time
-    csr_der = pki.make_csr(key)
+    key_kind: KeyKind
+    record: dict[str, Any] | None
+    if isinstance(key, HeldKey):
+        csr_der, public_key, key_kind, record = key.csr_der, key.public_key, "tpm", key.record
+    else:
+        csr_der, public_key, key_kind, record = pki.make_csr(key), key.public_key(), "file", None
+    rnd = 0
+    answer: dict[str, Any] | None = None
 
-    def make_body() -> bytes:
-        ctx = NodeJoinContext(
+    def context() -> NodeJoinContext:
+        return NodeJoinContext(
             credential=credential,
             csr_der=csr_der,
             encryption_key=encryption_key,
             now_s=int(clock()),
             role=role,
+            tcti=cfg.tpm.tcti,
+            node_key_record=record,
         )
+
+    def make_body() -> bytes:
         try:
-            evidence = plugins.node_evidence(attestor, ctx)
+            evidence = plugins.node_evidence(attestor, context())
         except BcdError:
             raise
         except Exception as exc:  # a broken plugin is named, never a traceback
@@ -248,21 +278,24 @@ async def join(
             evidence=evidence.evidence,
             node_id=node_id,
             daemon_version=__version__,
+            round=rnd,
+            answer=answer,
         )
         return wire.dumps(req.to_json())
 
     sender = send or gateway_sender(cfg)
+    rounds = 0
     while True:
         signed = await send_with_retries(sender, make_body, attempts=attempts)
         body = verify_joined(
             signed,
             signing_pin=cfg.join_signing_key_pin,
             csr_der=csr_der,
-            key=key.public_key(),
+            key=public_key,
             role=role,
         )
         if body["kind"] == "joined":
-            return Joined(identity_of(body), body)
+            return Joined(identity_of(body, key_kind), body)
         if body["kind"] == "pending":
             wait = body.get("retry_after_s", 1)
             wait = max(1, wait) if isinstance(wait, int) else 1
@@ -272,5 +305,56 @@ async def join(
                 flush=True,
             )
             await trio.sleep(wait)
+            rnd, answer = 0, None  # an attestor with a challenge starts a fresh round
             continue
+        if body["kind"] != "challenge":
+            raise JoinError(f"the join answer is of kind {body['kind']}, not a join answer")
+        rounds += 1
+        rnd, answer = await _answer_challenge(
+            plugins, attestor, body, context, rounds=rounds, after=rnd, clock=clock
+        )
+
+
+async def _answer_challenge(
+    plugins: Plugins,
+    attestor: str,
+    body: dict[str, Any],
+    context: Callable[[], NodeJoinContext],
+    *,
+    rounds: int,
+    after: int,
+    clock: Callable[[], float],
+) -> tuple[int, dict[str, Any]]:
+    """Check a JoinChallenge and have the attestor's node half answer it."""
+    if body.get("attestor") != wire_name(attestor):
+        raise JoinError(f"the control plane sent a challenge for another attestor than {attestor}")
+    rnd, not_after, challenge = body.get("round"), body.get("not_after"), body.get("challenge")
+    if (
+        not isinstance(rnd, int)
+        or isinstance(rnd, bool)
+        or not after < rnd <= MAX_CHALLENGE_ROUNDS
+        or not isinstance(not_after, int)
+        or not isinstance(challenge, dict)
+    ):
+        raise JoinError("the control plane sent a malformed challenge")
+    if rounds > MAX_CHALLENGE_ROUNDS:
+        raise JoinError(
+            f"the control plane asked more than {MAX_CHALLENGE_ROUNDS} challenge rounds"
+        )
+    if clock() * 1000 >= not_after:
+        raise JoinError("the join challenge expired before it could be answered; join again")
+    ctx = context()
+    try:
+        answer = await trio.to_thread.run_sync(plugins.node_answer, attestor, challenge, ctx)
+    except BcdError:
+        raise
+    except Exception as exc:  # a broken plugin is named, never a traceback
+        log.debug("attestor plugin %s failed", attestor, exc_info=True)
+        raise JoinError(
+            f"the {attestor} attestor plugin failed to answer its challenge ({type(exc).__name__})"
+        ) from exc
+    if answer is None:
         raise JoinError(f"the {attestor} attestor's challenge rounds are not supported by this bcd")
+    if clock() * 1000 >= not_after:
+        raise JoinError("the join challenge expired before it could be answered; join again")
+    return rnd, answer

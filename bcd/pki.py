@@ -11,6 +11,7 @@ import binascii
 import hashlib
 import hmac
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -130,6 +131,38 @@ def make_csr(key: ec.EllipticCurvePrivateKey) -> bytes:
         .sign(key, hashes.SHA256())
     )
     return csr.public_bytes(serialization.Encoding.DER)
+
+
+def _der(tag: int, content: bytes) -> bytes:
+    size = len(content)
+    if size < 0x80:
+        return bytes([tag, size]) + content
+    length = size.to_bytes((size.bit_length() + 7) // 8, "big")
+    return bytes([tag, 0x80 | len(length)]) + length + content
+
+
+_ECDSA_WITH_SHA256 = bytes.fromhex("300a06082a8648ce3d040302")
+
+
+def make_csr_with(
+    public_key: ec.EllipticCurvePublicKey, sign_digest: Callable[[bytes], bytes]
+) -> bytes:
+    """The request :func:`make_csr` makes, signed by a key held elsewhere (a TPM).
+
+    ``sign_digest`` signs a SHA-256 digest and returns a 64-byte P1363 signature.
+    The DER is built here: version 0, an empty subject, the key's SPKI, no attributes.
+    """
+    info = _der(
+        0x30,
+        b"\x02\x01\x00" + _der(0x30, b"") + spki_der(public_key) + _der(0xA0, b""),
+    )
+    signature = sign_digest(hashlib.sha256(info).digest())
+    if len(signature) != 64:
+        raise PkiError("a P-256 signature is 64 bytes")
+    der_sig = encode_dss_signature(
+        int.from_bytes(signature[:32], "big"), int.from_bytes(signature[32:], "big")
+    )
+    return _der(0x30, info + _ECDSA_WITH_SHA256 + _der(0x03, b"\x00" + der_sig))
 
 
 def parse_csr(der: bytes) -> x509.CertificateSigningRequest:

@@ -67,6 +67,11 @@ class NodeJoinContext:
     encryption_key: ec.EllipticCurvePublicKey | None
     now_s: int
     role: str
+    tcti: str = "device:/dev/tpmrm0"
+    """The host's TPM (``[tpm] tcti``), for attestors that open it (``bcd join`` runs as root)."""
+    node_key_record: Mapping[str, Any] | None = None
+    """When the node key is held in the TPM: the record node.key holds (its JSON object,
+    :class:`bcd.tpm.record.NodeKeyRecord`), from which the TPM derives the key; else None."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +103,35 @@ class TokenRecord:
     hosted: str | None
 
 
+@dataclass(frozen=True, slots=True)
+class PoolRecord:
+    """A pool as the server half sees it (to admit into a pool it was configured with)."""
+
+    pool_id: str
+    tenant_id: str
+    site_id: str
+    agent: str
+
+
+@dataclass(frozen=True, slots=True)
+class ChallengeRecord:
+    """A challenge an attestor issued, as stored in ``join_challenges``.
+
+    Only hashes and public names are stored: ``secret_sha256`` is the lowercase hex
+    SHA-256 of the secret the answer must show, ``ak_name`` and ``ek_sha256`` bind
+    the challenge to the machine's keys (lowercase hex), ``csr_sha256`` to the CSR.
+    """
+
+    challenge_id: str
+    attestor: str
+    secret_sha256: str
+    ak_name: str
+    ek_sha256: str
+    csr_sha256: str
+    not_after_ms: int
+    used: bool
+
+
 class ServerJoinContext(Protocol):
     """What JoinService lends the server half, inside the join's one transaction."""
 
@@ -107,11 +141,39 @@ class ServerJoinContext(Protocol):
     seal: wire.OpenedSeal | None
     """The opened sealed token (typ, kid, CSR binding and iat already checked)."""
 
+    settings: Mapping[str, str]
+    """The control plane's attestor settings, ``<attestor>.<key>`` to a string (from
+    ``better-compute serve --attestor-setting tpm.ek_ca=FILE`` and the named flags such
+    as ``--tpm-ek-ca``). Read only your own prefix; a missing key means not configured."""
+
     def lock_join_token(self, token_id: str) -> TokenRecord | None:
         """Lock the token row for this transaction and return it (None if unknown)."""
 
     def consume_join_token(self, token_id: str) -> None:
         """Take one use of the token; undone if the join is refused later."""
+
+    def lookup_pool(self, pool_id: str) -> PoolRecord | None:
+        """The pool with this id (None if unknown); JoinService still applies its rules."""
+
+    def save_challenge(
+        self,
+        *,
+        secret_sha256: str,
+        ak_name: str,
+        ek_sha256: str,
+        csr_sha256: str,
+        not_after_ms: int,
+    ) -> str:
+        """Store a new challenge for this attestor; return its id (``jc_…``).
+
+        It is committed with the ``challenge`` answer: state lives only in the store.
+        """
+
+    def lock_challenge(self, challenge_id: str) -> ChallengeRecord | None:
+        """Lock a challenge row for this transaction and return it (None if unknown)."""
+
+    def consume_challenge(self, challenge_id: str) -> None:
+        """Mark the challenge used; undone if the join is refused later."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +195,11 @@ class Admit:
     statements: tuple[str, ...] = ()
     allowed_kinds: tuple[str, ...] = ()
     credential_id: str | None = None
+    hardware_key: str | None = None
+    """A trusted hardware key the attestor proved (lowercase hex SHA-256, e.g. of the
+    TPM's EK public area), used instead of the one derived from the claims: it finds
+    the node a machine reclaims. A reclaim with ``statements`` also needs the node's
+    latest certificate to carry the same statements (the same AK)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +212,23 @@ class Refuse:
     tenant_id: str | None = None
 
 
-Verdict = Admit | Refuse
+@dataclass(frozen=True, slots=True)
+class Challenge:
+    """The server half asks the node for another round (a JoinChallenge).
+
+    ``challenge`` (a JSON object) reaches the node half's :func:`bcd_node_answer` as
+    is; the node answers with the same CSR in a JoinRequest with ``round`` = this
+    ``round`` (1 to 3, above the request's) and its ``answer``, no later than
+    ``not_after_ms`` (unix milliseconds). Nothing is issued and nothing consumed;
+    keep whatever the next round needs in the store (``ctx.save_challenge``).
+    """
+
+    round: int
+    challenge: dict[str, Any]
+    not_after_ms: int
+
+
+Verdict = Admit | Refuse | Challenge
 
 
 # --- the hookspecs: the contract ---------------------------------------------------
@@ -165,15 +248,30 @@ class AttestorSpec:
         """
 
     @hookspec(firstresult=True)
+    def bcd_node_answer(
+        self, attestor: str, challenge: dict[str, Any], ctx: NodeJoinContext
+    ) -> dict[str, Any] | None:
+        """Node half: answer a challenge round of ``attestor``.
+
+        ``challenge`` is the ``challenge`` object of a verified (signed) JoinChallenge,
+        still untrusted input shaped by the server half: check it. Return the
+        ``answer`` object sent with the same CSR in the next JoinRequest, or None if
+        ``attestor`` is not yours. Raise ``bcd.errors.BcdError`` when no answer can be
+        made. ``bcd join`` calls this at most 3 times per join and never once the
+        challenge's ``not_after`` has passed.
+        """
+
+    @hookspec(firstresult=True)
     def bcd_server_verify(
         self, attestor: str, request: wire.JoinRequest, ctx: ServerJoinContext
     ) -> Verdict | None:
         """Server half: judge ``request`` inside the join transaction.
 
-        Return None if ``attestor`` is not yours, else :class:`Admit` or
-        :class:`Refuse`. Compare secrets in constant time. Exceptions are treated as
-        a refusal with reason ``plugin-error`` and logged without their text reaching
-        the client.
+        Return None if ``attestor`` is not yours, else :class:`Admit`,
+        :class:`Refuse` or :class:`Challenge` (another round; ``request.round`` and
+        ``request.answer`` carry the node's answer to the previous one). Compare
+        secrets in constant time. Exceptions are treated as a refusal with reason
+        ``plugin-error`` and logged without their text reaching the client.
         """
 
 
@@ -199,6 +297,14 @@ class Plugins:
 
     def node_evidence(self, attestor: str, ctx: NodeJoinContext) -> NodeEvidence | None:
         result: NodeEvidence | None = self.pm.hook.bcd_node_evidence(attestor=attestor, ctx=ctx)
+        return result
+
+    def node_answer(
+        self, attestor: str, challenge: dict[str, Any], ctx: NodeJoinContext
+    ) -> dict[str, Any] | None:
+        result: dict[str, Any] | None = self.pm.hook.bcd_node_answer(
+            attestor=attestor, challenge=challenge, ctx=ctx
+        )
         return result
 
     def server_verify(

@@ -137,7 +137,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ready_file=Path(args.ready_file) if args.ready_file else None,
         secret=_secret(),
         cert_ttl_s=args.cert_ttl_seconds,
+        attestor_settings=_attestor_settings(args),
     )
+
+
+def _attestor_settings(args: argparse.Namespace) -> dict[str, str]:
+    """``--attestor-setting NAME=VALUE`` (repeatable) and the tpm attestor's named flags."""
+    settings: dict[str, str] = {}
+    for item in args.attestor_setting or []:
+        name, sep, value = item.partition("=")
+        if not sep or "." not in name or not name.split(".", 1)[1]:
+            raise ControlError(
+                "INVALID_ARGUMENT", f"--attestor-setting {name!r}: expected ATTESTOR.KEY=VALUE"
+            )
+        settings[name] = value
+    for flag, name in (
+        ("tpm_ek_ca", "tpm.ek_ca"),
+        ("tpm_ek_allow", "tpm.ek_allow"),
+        ("tpm_pool", "tpm.pool"),
+    ):
+        value = getattr(args, flag)
+        if value:
+            settings[name] = str(Path(value).absolute()) if flag != "tpm_pool" else value
+    return settings
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
@@ -446,6 +468,23 @@ def build_parser() -> argparse.ArgumentParser:
         default=86_400,
         metavar="10..86400",
         help="node certificate lifetime (certTtlSeconds; default and maximum 86400)",
+    )
+    p.add_argument(
+        "--tpm-ek-ca",
+        metavar="FILE",
+        help="tpm attestor: PEM bundle of the TPM manufacturer CAs EK certificates chain to",
+    )
+    p.add_argument(
+        "--tpm-ek-allow",
+        metavar="FILE",
+        help="tpm attestor: EK allow-list, one hex SHA-256 of an EK public area a line",
+    )
+    p.add_argument("--tpm-pool", metavar="POOL", help="tpm attestor: the pool TPM joins go to")
+    p.add_argument(
+        "--attestor-setting",
+        action="append",
+        metavar="ATTESTOR.KEY=VALUE",
+        help="a setting for an attestor plugin's server half (repeatable)",
     )
     verb(sub, "migrate", cmd_migrate, db=True)
 

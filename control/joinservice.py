@@ -12,6 +12,10 @@
 
 Every refusal leaves as the same ``ACCESS_DENIED`` / ``Join refused``; its reason
 goes only to a ``security.join.refused`` event, written after the rollback.
+
+An attestor may instead answer a :class:`~bcd.plugins.Challenge` (the tpm attestor's
+credential activation): the signed ``challenge`` body, nothing issued or consumed,
+the transaction committed with whatever the attestor stored (``join_challenges``).
 """
 
 from __future__ import annotations
@@ -30,7 +34,18 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import hardware, pki, wire
-from bcd.plugins import JOIN_TOKEN, Admit, Plugins, Refuse, TokenRecord, canonical_name
+from bcd.plugins import (
+    JOIN_TOKEN,
+    Admit,
+    Challenge,
+    ChallengeRecord,
+    Plugins,
+    PoolRecord,
+    Refuse,
+    TokenRecord,
+    canonical_name,
+    wire_name,
+)
 from control import events, tenancy
 from control.errors import ControlError, Refused, StoreConflict, invalid
 from control.ids import new_id
@@ -42,6 +57,8 @@ JOIN_REFUSED = "Join refused"
 CONCURRENT = "This machine joined concurrently; retry"
 CERT_TTL_MAX_S = 86_400
 RAMDISK_TTL_MAX_S = 7_200
+MAX_ROUNDS = 3
+CHALLENGE_KEEP_MS = 3_600_000  # challenge rows are pruned an hour after their not_after
 
 IssueLeaf = Callable[
     [ec.EllipticCurvePublicKey, pki.SpiffeId, str, tuple[str, ...], datetime, int],
@@ -74,10 +91,84 @@ class JoinCrypto:
 class _Ctx:
     """The ServerJoinContext lent to an attestor's server half."""
 
-    def __init__(self, tx: Tx, seal: wire.OpenedSeal | None) -> None:
+    def __init__(
+        self,
+        tx: Tx,
+        seal: wire.OpenedSeal | None,
+        attestor: str,
+        settings: Mapping[str, str],
+    ) -> None:
         self._tx = tx
+        self._attestor = attestor
         self.now_ms = tx.now_ms()
         self.seal = seal
+        self.settings = settings
+
+    def lookup_pool(self, pool_id: str) -> PoolRecord | None:
+        row = self._tx.one("SELECT * FROM pools WHERE id = ?", (pool_id,))
+        if row is None:
+            return None
+        return PoolRecord(
+            pool_id=row["id"],
+            tenant_id=row["tenant_id"],
+            site_id=row["site_id"],
+            agent=row["agent"],
+        )
+
+    def save_challenge(
+        self,
+        *,
+        secret_sha256: str,
+        ak_name: str,
+        ek_sha256: str,
+        csr_sha256: str,
+        not_after_ms: int,
+    ) -> str:
+        self._tx.execute(
+            "DELETE FROM join_challenges WHERE not_after < ?", (self.now_ms - CHALLENGE_KEEP_MS,)
+        )
+        challenge_id = new_id("jc")
+        self._tx.execute(
+            "INSERT INTO join_challenges (id, attestor, secret_sha256, ak_name, ek_sha256, "
+            "csr_sha256, not_after, used_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, NULL, ?)",
+            (
+                challenge_id,
+                self._attestor,
+                secret_sha256,
+                ak_name,
+                ek_sha256,
+                csr_sha256,
+                not_after_ms,
+                self.now_ms,
+            ),
+        )
+        return challenge_id
+
+    def lock_challenge(self, challenge_id: str) -> ChallengeRecord | None:
+        row = self._tx.one(
+            "SELECT * FROM join_challenges WHERE id = ? AND attestor = ?" + self._tx.for_update,
+            (challenge_id, self._attestor),
+        )
+        if row is None:
+            return None
+        return ChallengeRecord(
+            challenge_id=row["id"],
+            attestor=row["attestor"],
+            secret_sha256=row["secret_sha256"],
+            ak_name=row["ak_name"],
+            ek_sha256=row["ek_sha256"],
+            csr_sha256=row["csr_sha256"],
+            not_after_ms=int(row["not_after"]),
+            used=row["used_at"] is not None,
+        )
+
+    def consume_challenge(self, challenge_id: str) -> None:
+        changed = self._tx.execute(
+            "UPDATE join_challenges SET used_at = ? WHERE id = ? AND used_at IS NULL",
+            (self.now_ms, challenge_id),
+        )
+        if changed != 1:  # pragma: no cover - the row is locked and was checked
+            raise ControlError("CONFLICT", CONCURRENT)
 
     def lock_join_token(self, token_id: str) -> TokenRecord | None:
         row = self._tx.one(
@@ -120,10 +211,17 @@ class _Attempt:
 
 
 class JoinService:
-    def __init__(self, store: Store, crypto: JoinCrypto | None, plugins: Plugins) -> None:
+    def __init__(
+        self,
+        store: Store,
+        crypto: JoinCrypto | None,
+        plugins: Plugins,
+        settings: Mapping[str, str] | None = None,
+    ) -> None:
         self.store = store
         self.crypto = crypto
         self.plugins = plugins
+        self.settings: Mapping[str, str] = dict(settings or {})
 
     def join(self, body: bytes) -> str:
         """Judge one JoinRequest body; return the SignedResponse or raise ControlError."""
@@ -179,8 +277,9 @@ class JoinService:
                 raise self._refuse(attempt, "seal-stale")
         if attempt.attestor not in self.plugins.names():
             raise self._refuse(attempt, "attestor-unknown")
+        ctx = _Ctx(tx, attempt.seal, attempt.attestor, self.settings)
         try:
-            verdict = self.plugins.server_verify(attempt.attestor, request, _Ctx(tx, attempt.seal))
+            verdict = self.plugins.server_verify(attempt.attestor, request, ctx)
         except (ControlError, StoreConflict):
             raise
         except Exception:
@@ -190,10 +289,43 @@ class JoinService:
             raise self._refuse(attempt, "attestor-unknown")
         if isinstance(verdict, Refuse):
             raise self._refuse(attempt, verdict.reason, verdict.tenant_id)
+        if isinstance(verdict, Challenge):
+            return self._challenge(attempt, verdict, crypto)
         return self._issue(tx, attempt, verdict, crypto)
+
+    def _challenge(self, attempt: _Attempt, verdict: Challenge, crypto: JoinCrypto) -> str:
+        """A JoinChallenge: the signed ``challenge`` body; nothing issued, nothing consumed."""
+        try:
+            pki.parse_csr(attempt.request.csr_der)
+        except pki.PkiError:
+            raise self._refuse(attempt, "csr-invalid") from None
+        valid = (
+            isinstance(verdict.round, int)
+            and attempt.request.round < verdict.round <= MAX_ROUNDS
+            and isinstance(verdict.challenge, dict)
+            and isinstance(verdict.not_after_ms, int)
+        )
+        if not valid:
+            log.error("attestor %s answered an invalid challenge", attempt.attestor)
+            raise self._refuse(attempt, "plugin-error")
+        body = {
+            "kind": "challenge",
+            "attestor": wire_name(attempt.attestor),
+            "round": verdict.round,
+            "challenge": verdict.challenge,
+            "not_after": verdict.not_after_ms,
+        }
+        return wire.sign_response(body, crypto.signing_key)
 
     def _issue(self, tx: Tx, attempt: _Attempt, admit: Admit, crypto: JoinCrypto) -> str:
         request, hw, tenant = attempt.request, attempt.hw, admit.tenant_id
+        if admit.hardware_key is not None:
+            hw = hardware.HardwareKey(
+                hex=admit.hardware_key,
+                trusted=True,
+                has_uuid_or_serial=True,
+                kinds=frozenset({attempt.attestor}),
+            )
         try:
             csr = pki.parse_csr(request.csr_der)
         except pki.PkiError:
@@ -220,6 +352,8 @@ class JoinService:
                 and existing["role"] in (admit.role, role)
             )
             if not (admit.allow_reclaim and same_home) or existing["retired_at"] is not None:
+                raise self._refuse(attempt, "reclaim", tenant)
+            if admit.statements and not _latest_statements_are(tx, existing["id"], admit):
                 raise self._refuse(attempt, "reclaim", tenant)
         if pool is None or pool["agent"] != "bcd":
             raise self._refuse(attempt, "pool-agent", tenant)
@@ -317,6 +451,16 @@ class JoinService:
                 "hardwareKey": attempt.hw.hex,
             },
         )
+
+
+def _latest_statements_are(tx: Tx, node_id: str, admit: Admit) -> bool:
+    """Whether the node's latest certificate carries exactly ``admit.statements``."""
+    row = tx.one(
+        "SELECT statements FROM node_certs WHERE node_id = ? "
+        "ORDER BY identity_generation DESC, created_at DESC LIMIT 1",
+        (node_id,),
+    )
+    return row is not None and sorted(json.loads(row["statements"])) == sorted(admit.statements)
 
 
 def platform_operated(tx: Tx, pool: Mapping[str, Any]) -> bool:

@@ -7,10 +7,12 @@ import json
 import logging
 import signal
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import trio
+from cryptography import x509
 
 from bcd import fs
 from bcd.plugins import load_plugins
@@ -39,6 +41,28 @@ def join_crypto(loaded: pki.Pki, cert_ttl_s: int = CERT_TTL_MAX_S) -> JoinCrypto
     )
 
 
+def check_tpm_settings(settings: Mapping[str, str]) -> None:
+    """Fail at start, not at the first join, when the tpm attestor's files are unusable."""
+    ca = settings.get("tpm.ek_ca")
+    if ca:
+        try:
+            certs = x509.load_pem_x509_certificates(Path(ca).read_bytes())
+        except (OSError, ValueError) as exc:
+            raise ControlError(
+                "INVALID_CONFIG", f"--tpm-ek-ca {ca}: not a readable PEM certificate bundle"
+            ) from exc
+        if not certs:  # pragma: no cover - load_pem_x509_certificates refuses an empty file
+            raise ControlError("INVALID_CONFIG", f"--tpm-ek-ca {ca}: no certificate")
+    allow = settings.get("tpm.ek_allow")
+    if allow:
+        try:
+            Path(allow).read_text(encoding="utf-8")
+        except (OSError, ValueError) as exc:
+            raise ControlError("INVALID_CONFIG", f"--tpm-ek-allow {allow}: not readable") from exc
+    if (ca or allow) and not settings.get("tpm.pool"):
+        raise ControlError("INVALID_CONFIG", "the tpm attestor needs --tpm-pool POOL")
+
+
 def _split(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
@@ -57,6 +81,7 @@ def main(
     ready_file: Path | None,
     secret: bytes,
     cert_ttl_s: int = CERT_TTL_MAX_S,
+    attestor_settings: Mapping[str, str] | None = None,
 ) -> int:
     logging.basicConfig(
         level=logging.INFO,
@@ -75,6 +100,8 @@ def main(
     well_known_join = dict(loaded.well_known_join())
     node_ca_pem = loaded.chain_tail_pem()
     ssl_ctx = pki.server_ssl_context(chain_pem, gw_key, client_ca_pem=node_ca_pem)
+    settings = dict(attestor_settings or {})
+    check_tpm_settings(settings)
     store = open_store(db_url)
     store.migrate()
     plugins = load_plugins()
@@ -88,7 +115,7 @@ def main(
             "servingCaPin": loaded.pins()["serving_ca_spki_pin"],
         }
     limiter = trio.CapacityLimiter(8)
-    joinservice = JoinService(store, crypto, plugins)
+    joinservice = JoinService(store, crypto, plugins, settings)
     gateway = Gateway(store, joinservice, RenewService(store, crypto), limiter)
     app = App(
         store=store,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import stat
@@ -19,6 +20,8 @@ from bcd.errors import IdentityError
 from bcd.identity import (
     IDENTITY_FIELDS,
     KEY_MISMATCH,
+    TPM_KEY_MISMATCH,
+    TPM_NODE_UNSUPPORTED,
     Identity,
     apply_reset,
     format_time,
@@ -387,8 +390,51 @@ def test_tpm_identity_is_refused_clearly(tmp_path: Path, ca: CertAuthority) -> N
     _pem, identity = joined(tmp_path, ca)
     obj = identity.to_dict() | {"key": "tpm"}
     (tmp_path / "identity.json").write_bytes(json.dumps(obj).encode())
-    with pytest.raises(IdentityError, match="TPM"):
+    with pytest.raises(IdentityError) as info:
         load_state(tmp_path)
+    assert str(info.value) == TPM_NODE_UNSUPPORTED
+    assert "bcd node cannot use a TPM-held key" in str(info.value)
+
+
+def test_tpm_identity_loads_when_the_tpm_derives_its_key(tmp_path: Path, ca: CertAuthority) -> None:
+    """node.key holds the record; ``derive`` stands in for the TPM (tests/test_e2e_tpm.py
+    does it with the swtpm)."""
+    from bcd.identity import LoadedTpmState
+    from bcd.tpm import KEY_MISMATCH_MESSAGE, TpmKeyMismatch
+    from bcd.tpm.record import create_node_key_record
+
+    key, identity = node_identity(ca, None)
+    identity = dataclasses.replace(identity, key="tpm")
+    record = create_node_key_record().pinned(key.public_key())
+    persist_join(tmp_path, identity, record.to_json(), NOW)
+    assert (tmp_path / "node.key").read_bytes() == record.to_json()
+
+    state = load_state(tmp_path, lambda r: key.public_key())
+    assert isinstance(state, LoadedTpmState)
+    assert state.record == record
+    assert state.identity == identity
+
+    def cleared(_r: object) -> pki.ec.EllipticCurvePublicKey:
+        raise TpmKeyMismatch(KEY_MISMATCH_MESSAGE)
+
+    with pytest.raises(IdentityError) as info:
+        load_state(tmp_path, cleared)
+    assert str(info.value) == TPM_KEY_MISMATCH
+    assert str(info.value).startswith("the node key does not match the node certificate; ")
+    assert KEY_MISMATCH_MESSAGE in str(info.value)
+    other = generate_file_key().public_key()
+    with pytest.raises(IdentityError, match=r"was the TPM cleared\?"):
+        load_state(tmp_path, lambda r: other)
+    # a record pinned to another key is not this certificate's key
+    (tmp_path / "node.key").write_bytes(create_node_key_record().pinned(other).to_json())
+    with pytest.raises(IdentityError) as info:
+        load_state(tmp_path, lambda r: key.public_key())
+    assert str(info.value) == KEY_MISMATCH
+    (tmp_path / "node.key").write_bytes(b"-----BEGIN PRIVATE KEY-----")
+    with pytest.raises(IdentityError, match="does not load"):
+        load_state(tmp_path, lambda r: key.public_key())
+    with pytest.raises(IdentityError, match="does not certify"):
+        persist_join(tmp_path, identity, create_node_key_record().pinned(other).to_json(), NOW)
 
 
 # --- persisting a join ----------------------------------------------------------------

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import base64
 import itertools
+import json
 import random
+import time
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -12,8 +16,10 @@ import trio
 import trio.testing
 
 from bcd import pki, wire
+from bcd.config import Config, parse_config
 from bcd.errors import JoinError, PeerVerificationError, RetryableError, TransportError
-from bcd.join import MAX_ATTEMPTS, send_with_retries, verify_joined
+from bcd.join import MAX_ATTEMPTS, join, send_with_retries, verify_joined
+from bcd.plugins import NodeEvidence, NodeJoinContext, hookimpl, load_plugins
 from control.pki import Pki, issue_node_leaf
 
 SITE = "site_" + "a" * 26
@@ -140,3 +146,145 @@ async def test_a_refusal_is_not_retried() -> None:
     with pytest.raises(JoinError, match="Join refused"):
         await send_with_retries(send, lambda: b"{}")
     assert calls == 1
+
+
+# --- challenge rounds ------------------------------------------------------------------
+
+
+class _Answering:
+    """A node half for the attestor ``x-challenged`` that answers every challenge."""
+
+    def __init__(self) -> None:
+        self.challenges: list[dict[str, Any]] = []
+
+    @hookimpl
+    def bcd_attestor_names(self) -> list[str]:
+        return ["x-challenged"]
+
+    @hookimpl
+    def bcd_node_evidence(self, attestor: str, ctx: NodeJoinContext) -> NodeEvidence | None:
+        return NodeEvidence(None, {"e": 1}) if attestor == "x-challenged" else None
+
+    @hookimpl
+    def bcd_node_answer(
+        self, attestor: str, challenge: dict[str, Any], ctx: NodeJoinContext
+    ) -> dict[str, Any] | None:
+        if attestor != "x-challenged":
+            return None
+        self.challenges.append(challenge)
+        return {"echo": challenge["n"]}
+
+
+def _config(memory_pki: Pki) -> Config:
+    pins = memory_pki.pins()
+    return parse_config(
+        'gateway_url = "https://127.0.0.1:1"\n'
+        f'site = "{SITE}"\n' + "".join(f'{k} = "{v}"\n' for k, v in pins.items()),
+        Path("/nonexistent/config.toml"),
+    )
+
+
+def _challenge(memory_pki: Pki, rnd: int, not_after: int, **over: Any) -> str:
+    body = {
+        "kind": "challenge",
+        "attestor": "x-challenged",
+        "round": rnd,
+        "challenge": {"n": rnd},
+        "not_after": not_after,
+        **over,
+    }
+    return wire.sign_response(body, memory_pki.join_signing_key)
+
+
+def test_challenges_are_answered_with_the_same_csr(memory_pki: Pki) -> None:
+    plugin = _Answering()
+    plugins = load_plugins([plugin])
+    key = pki.generate_key()
+    far = int(time.time() * 1000) + 60_000
+    sent: list[dict[str, Any]] = []
+
+    async def send(body: bytes) -> str:
+        sent.append(json.loads(body))
+        if len(sent) < 3:
+            return _challenge(memory_pki, len(sent), far)
+        return _signed(memory_pki, key, base64.b64decode(sent[-1]["csr"]))
+
+    async def main() -> None:
+        await join(
+            _config(memory_pki),
+            plugins,
+            attestor="x-challenged",
+            role="node",
+            credential=None,
+            encryption_key=None,
+            claims=wire.Claims(),
+            key=key,
+            send=send,
+        )
+
+    trio.run(main)
+    assert [(r["round"], r["answer"]) for r in sent] == [
+        (0, None),
+        (1, {"echo": 1}),
+        (2, {"echo": 2}),
+    ]
+    assert len({r["csr"] for r in sent}) == 1
+    assert plugin.challenges == [{"n": 1}, {"n": 2}]
+
+
+@pytest.mark.parametrize(
+    ("replies", "message"),
+    [
+        ([(1, -1)], "expired before it could be answered"),
+        ([(1, 0), (1, 0)], "malformed challenge"),  # a round that does not go up
+        ([(4, 0)], "malformed challenge"),
+        ([(1, 0), (2, 0), (3, 0), (3, 0)], "malformed challenge"),
+    ],
+)
+def test_challenge_limits(memory_pki: Pki, replies: list[tuple[int, int]], message: str) -> None:
+    plugins = load_plugins([_Answering()])
+    now = int(time.time() * 1000)
+    answers = iter(replies)
+
+    async def send(body: bytes) -> str:
+        rnd, offset = next(answers)
+        return _challenge(memory_pki, rnd, now + (offset or 60_000) if offset >= 0 else now - 1)
+
+    async def main() -> None:
+        await join(
+            _config(memory_pki),
+            plugins,
+            attestor="x-challenged",
+            role="node",
+            credential=None,
+            encryption_key=None,
+            claims=wire.Claims(),
+            key=pki.generate_key(),
+            send=send,
+        )
+
+    with pytest.raises(JoinError, match=message):
+        trio.run(main)
+
+
+def test_a_challenge_for_another_attestor_is_refused(memory_pki: Pki) -> None:
+    plugins = load_plugins([_Answering()])
+
+    async def send(body: bytes) -> str:
+        return _challenge(memory_pki, 1, int(time.time() * 1000) + 60_000, attestor="tpm")
+
+    async def main() -> None:
+        await join(
+            _config(memory_pki),
+            plugins,
+            attestor="x-challenged",
+            role="node",
+            credential=None,
+            encryption_key=None,
+            claims=wire.Claims(),
+            key=pki.generate_key(),
+            send=send,
+        )
+
+    with pytest.raises(JoinError, match="another attestor"):
+        trio.run(main)

@@ -5,7 +5,8 @@ Two halves live here:
 - the device half (:mod:`bcd.tpm.device`, :mod:`bcd.tpm.nodekey`, :mod:`bcd.tpm.ek`,
   :mod:`bcd.tpm.ak`, the node side of :mod:`bcd.tpm.credential`) talks to a TPM
   through tpm2-pytss's ESAPI. It is synchronous; callers run it in a worker thread.
-  Only ``bcd helper`` (root) opens the TPM;
+  Only root opens the TPM: ``bcd join`` (a tpm join, and LoadState's ``derive``)
+  and, later, ``bcd helper``; never the unprivileged ``bcd node``;
 - the pure half (:mod:`bcd.tpm.structures`, :mod:`bcd.tpm.templates`,
   :mod:`bcd.tpm.verify`, :func:`bcd.tpm.credential.make_credential`) parses and checks
   TPM structures without a TPM; the control plane uses it.

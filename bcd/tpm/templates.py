@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 
+from cryptography.hazmat.primitives.asymmetric import ec
+
 from bcd.tpm import TpmError
 from bcd.tpm.structures import (
     ALG_ECC,
@@ -65,6 +67,29 @@ def node_key_template(unique: bytes) -> bytes:
     if not isinstance(unique, bytes) or len(unique) != UNIQUE_SIZE:
         raise TpmError(f"a node key's unique value is {UNIQUE_SIZE} bytes")
     return _p256_signing_template(NODE_KEY_ATTRIBUTES, unique)
+
+
+def node_key_public_area(public_key: object) -> bytes:
+    """The TPMT_PUBLIC a TPM reports for a node key holding ``public_key`` (P-256).
+
+    The TPM replaces the template's ``unique`` with the public point, so the public
+    area, and hence the name (:func:`bcd.tpm.structures.name_of`), follow from the
+    public key alone: the control plane computes the name of a CSR's key with it.
+    """
+    if not isinstance(public_key, ec.EllipticCurvePublicKey) or not isinstance(
+        public_key.curve, ec.SECP256R1
+    ):
+        raise TpmError("a node key is a P-256 key")
+    numbers = public_key.public_numbers()
+    return ecc_public(
+        name_alg=ALG_SHA256,
+        attributes=NODE_KEY_ATTRIBUTES,
+        scheme=ALG_ECDSA,
+        scheme_hash=ALG_SHA256,
+        curve=ECC_NIST_P256,
+        x=numbers.x.to_bytes(32, "big"),
+        y=numbers.y.to_bytes(32, "big"),
+    )
 
 
 def ak_template() -> bytes:

@@ -1,0 +1,175 @@
+"""End to end, the tpm attestor: a real `better-compute serve --tpm-ek-ca` and real
+`bcd join --attestor tpm` processes against the session's swtpm."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bcd import pki
+from bcd.identity import TPM_KEY_MISMATCH, TPM_NODE_UNSUPPORTED, load_state
+from bcd.tpm.ak import ak_public
+from bcd.tpm.device import open_tpm
+from bcd.tpm.record import NodeKeyRecord
+from control import tenancy
+from control.store import open_store
+from tests.e2e import ControlPlane, Node
+from tests.swtpm import SwTpm
+
+pytestmark = pytest.mark.e2e
+
+JOINED = re.compile(
+    r"^joined as (node_[0-9a-z]{26}) \(site (site_[0-9a-z]{26}), role node\); "
+    r"certificate valid until \S+Z$"
+)
+REFUSED_LINE = "bcd: the control plane refused the join (ACCESS_DENIED: Join refused)\n"
+
+
+def _start(tmp_path: Path, pki_template: Path, ek_ca: Path) -> tuple[ControlPlane, str, str]:
+    db_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = open_store(db_url)
+    store.migrate()
+    with store.tx() as tx:
+        root, _ = tenancy.create_tenant(tx, "platform", root=True)
+        site = tenancy.create_site(tx, root, "rack-t1")["id"]
+        pool = tenancy.create_pool(tx, root, site, "tpm", "bcd", {})["id"]
+    store.close()
+    home = tmp_path / "cp"
+    home.mkdir()
+    cp = ControlPlane.start(
+        home, pki_template, db_url, extra_args=["--tpm-ek-ca", str(ek_ca), "--tpm-pool", pool]
+    )
+    return cp, str(site), str(pool)
+
+
+@pytest.fixture
+def own_swtpm(swtpm: SwTpm, tmp_path: Path) -> Iterator[SwTpm]:
+    """A swtpm of this test's own: the test clears it, which the session's must not be
+    (a clear evicts the persistent EKs tests/test_tpm.py looks for). Requesting the
+    session's fixture first checks the tools and silences TSS2_LOG."""
+    tpm = SwTpm.provision(tmp_path / "swtpm")
+    tpm.start()
+    try:
+        yield tpm
+    finally:
+        tpm.stop()
+
+
+@pytest.fixture
+def tpm_control_plane(
+    tmp_path: Path, pki_template: Path, own_swtpm: SwTpm
+) -> Iterator[tuple[ControlPlane, str, str]]:
+    cp, site, pool = _start(tmp_path, pki_template, own_swtpm.ca_bundle)
+    try:
+        yield cp, site, pool
+    finally:
+        cp.stop()
+
+
+def _tpm_node(root: Path, cp: ControlPlane, site: str, swtpm: SwTpm) -> Node:
+    node = Node.make(root, cp, site, write_jwk=False)
+    with node.config.open("a") as f:
+        f.write(f'[tpm]\ntcti = "{swtpm.tcti}"\n')
+    return node
+
+
+def test_a_machine_joins_with_its_tpm_and_reclaims_its_node(
+    tpm_control_plane: tuple[ControlPlane, str, str], tmp_path: Path, own_swtpm: SwTpm
+) -> None:
+    swtpm = own_swtpm
+    cp, site, pool = tpm_control_plane
+    node = _tpm_node(tmp_path / "node", cp, site, swtpm)
+
+    done = node.join(None, "--attestor", "tpm")
+
+    assert done.returncode == 0, done.stderr
+    m = JOINED.match(done.stdout.strip())
+    assert m, done.stdout
+    node_id = m.group(1)
+    ident = json.loads((node.data_dir / "identity.json").read_text())
+    assert ident["key"] == "tpm"
+    record = NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes())
+    leaf = pki.load_pem_chain(ident["chain"])[0]
+    info = pki.leaf_info(leaf)
+    assert record.pin == pki.spki_pin(leaf.public_key())  # type: ignore[arg-type]
+    with open_tpm(swtpm.tcti) as tpm:
+        _, ak_name = ak_public(tpm)
+    assert info.statements == (f"urn:bc:tpm-ak:sha256:{ak_name[2:].hex()}",)
+    (joined,) = cp.events(type_="node.joined")
+    assert joined["nodeId"] == node_id
+    assert joined["nodeKey"] == "tpm"
+    assert joined["attestor"] == "tpm"
+    assert joined["reclaim"] is False
+    row = cp.one("SELECT pool_id, hardware_key_trusted FROM nodes WHERE id = ?", (node_id,))
+    assert row == {"pool_id": pool, "hardware_key_trusted": 1}
+    assert cp.one("SELECT COUNT(*) AS n FROM join_challenges WHERE used_at IS NOT NULL") == {"n": 1}
+
+    # the identity loads (the TPM derives the key again): already joined
+    again = node.join(None, "--attestor", "tpm")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == f"already joined as {node_id} (site {site}, role node)"
+    # bcd node cannot use a TPM-held key yet, and says so
+    agent = node.bcd("node")
+    assert agent.returncode == 1
+    assert agent.stderr.strip() == f"agent: {TPM_NODE_UNSUPPORTED}"
+
+    # the same machine joining again (after --reset) reclaims its node
+    reset = node.join(None, "--reset", "--yes", "--attestor", "tpm")
+    assert reset.returncode == 0, reset.stderr
+    assert f"joined as {node_id} " in reset.stdout
+    reclaimed = cp.events(type_="node.joined")[-1]
+    assert (reclaimed["nodeId"], reclaimed["reclaim"], reclaimed["nodeKey"]) == (
+        node_id,
+        True,
+        "tpm",
+    )
+    assert cp.one("SELECT identity_generation FROM nodes WHERE id = ?", (node_id,)) == {
+        "identity_generation": 2
+    }
+
+    # a cleared TPM derives another key: the identity no longer loads
+    swtpm.clear()
+    cleared = node.join(None, "--attestor", "tpm")
+    assert cleared.returncode == 1
+    assert cleared.stderr == f"bcd: {TPM_KEY_MISMATCH}\n"
+    assert "the TPM derives another key from node.key (was the TPM cleared?)" in cleared.stderr
+
+    def derive(rec: NodeKeyRecord):  # type: ignore[no-untyped-def]
+        from bcd.tpm.nodekey import derive_node_key
+
+        with open_tpm(swtpm.tcti) as tpm:
+            return derive_node_key(tpm, rec)
+
+    from bcd.errors import IdentityError
+
+    with pytest.raises(IdentityError, match=re.escape(TPM_KEY_MISMATCH)):
+        load_state(node.data_dir, derive)
+    # the way back: join again with --reset (same EK and AK: the same node)
+    back = node.join(None, "--reset", "--yes", "--attestor", "tpm")
+    assert back.returncode == 0, back.stderr
+    assert f"joined as {node_id} " in back.stdout
+    loaded = load_state(node.data_dir, derive)
+    assert loaded is not None
+    assert loaded.identity.node_id == node_id
+
+
+def test_an_ek_not_chaining_to_the_bundle_is_refused(
+    tmp_path: Path, pki_template: Path, swtpm: SwTpm
+) -> None:
+    from tests.test_joinservice_tpm import other_ca_bundle
+
+    cp, site, _pool = _start(tmp_path, pki_template, other_ca_bundle(tmp_path / "other-ca.pem"))
+    try:
+        node = _tpm_node(tmp_path / "node", cp, site, swtpm)
+        done = node.join(None, "--attestor", "tpm")
+        assert done.returncode == 1
+        assert done.stderr == REFUSED_LINE
+        assert not (node.data_dir / "identity.json").exists()
+        reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+        assert reasons == ["tpm:ek-chain"]
+    finally:
+        cp.stop()

@@ -1,0 +1,276 @@
+"""The tpm attestor in process: JoinService on the real store, the node half on the
+session's swtpm, and crafted answers for each refusal."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from attestors import tpm as tpm_attestor
+from bcd import pki as bpki
+from bcd import wire
+from bcd.join import HeldKey
+from bcd.plugins import NodeJoinContext, load_plugins
+from bcd.tpm.ak import certify
+from bcd.tpm.device import open_tpm
+from bcd.tpm.nodekey import create_node_key_record, derive_node_key, public_key_of, sign
+from bcd.tpm.record import NodeKeyRecord
+from bcd.tpm.structures import name_of
+from bcd.tpm.templates import node_key_public_area
+from control import tenancy
+from control.errors import Refused
+from control.joinservice import JoinService
+from control.pki import Pki
+from control.server import join_crypto
+from control.store import Store
+from tests.swtpm import SwTpm
+from tests.test_joinservice import machine
+
+PLUGINS = load_plugins()
+
+
+def other_ca_bundle(path: Path) -> Path:
+    """A self-signed CA that signed no EK certificate, as a PEM bundle."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "not the manufacturer")])
+    now = datetime.now(UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - timedelta(days=1))
+        .not_valid_after(now + timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    return path
+
+
+def tpm_key(tcti: str) -> HeldKey:
+    """A node key in the TPM and its CSR, as ``bcd join --attestor tpm`` makes them."""
+    with open_tpm(tcti) as t:
+        record = create_node_key_record()
+        record = record.pinned(derive_node_key(t, record))
+        public = derive_node_key(t, record)
+        csr = bpki.make_csr_with(public, lambda digest: sign(t, record, digest))
+    return HeldKey(public, csr, record.to_dict())
+
+
+@dataclass
+class TpmWorld:
+    store: Store
+    pki: Pki
+    svc: JoinService
+    root: str
+    tenant: str
+    site: str
+    pool: str
+    swtpm: SwTpm
+
+    def ctx(self, key: HeldKey) -> NodeJoinContext:
+        return NodeJoinContext(
+            credential=None,
+            csr_der=key.csr_der,
+            encryption_key=None,
+            now_s=0,
+            role="node",
+            tcti=self.swtpm.tcti,
+            node_key_record=key.record,
+        )
+
+    def request(
+        self, key: HeldKey, rnd: int = 0, answer: dict[str, Any] | None = None, **evidence: Any
+    ) -> bytes:
+        made = PLUGINS.node_evidence("tpm", self.ctx(key))
+        assert made is not None
+        request = wire.JoinRequest(
+            role="node",
+            attestor="tpm",
+            sealed_token=None,
+            csr_der=key.csr_der,
+            claims=machine(7),
+            evidence=made.evidence | evidence,
+            node_id=None,
+            daemon_version="0.1.0-test",
+            round=rnd,
+            answer=answer,
+        )
+        return wire.dumps(request.to_json())
+
+    def send(self, body: bytes) -> dict[str, Any]:
+        return wire.verify_response(self.svc.join(body), self.pki.pins()["join_signing_key_pin"])
+
+    def challenge(self, key: HeldKey) -> dict[str, Any]:
+        body = self.send(self.request(key))
+        assert body["kind"] == "challenge"
+        return body
+
+    def answer(self, key: HeldKey, challenge: dict[str, Any]) -> dict[str, Any]:
+        answer = PLUGINS.node_answer("tpm", challenge["challenge"], self.ctx(key))
+        assert answer is not None
+        return answer
+
+    def refused(self, body: bytes, reason: str) -> None:
+        nodes_before = self.rows("SELECT id, identity_generation FROM nodes ORDER BY id")
+        with pytest.raises(Refused) as info:
+            self.svc.join(body)
+        assert (info.value.code, info.value.message) == ("ACCESS_DENIED", "Join refused")
+        assert info.value.reason == f"tpm:{reason}"
+        assert self.rows("SELECT id, identity_generation FROM nodes ORDER BY id") == nodes_before
+
+    def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        with self.store.tx() as tx:
+            return tx.query(sql, params)
+
+    def with_settings(self, **settings: str) -> JoinService:
+        base = {"tpm.pool": self.pool}
+        return JoinService(self.store, self.svc.crypto, PLUGINS, base | settings)
+
+
+@pytest.fixture
+def tw(store: Store, memory_pki: Pki, swtpm: SwTpm) -> TpmWorld:
+    with store.tx() as tx:
+        root, _ = tenancy.create_tenant(tx, "platform", root=True)
+        tenant, _ = tenancy.create_tenant(tx, "acme")
+        site = tenancy.create_site(tx, tenant, "rack-t")["id"]
+        pool = tenancy.create_pool(tx, tenant, site, "tpm", "bcd", {})["id"]
+    settings = {"tpm.ek_ca": str(swtpm.ca_bundle), "tpm.pool": pool}
+    svc = JoinService(store, join_crypto(memory_pki), PLUGINS, settings)
+    return TpmWorld(store, memory_pki, svc, root, tenant, site, pool, swtpm)
+
+
+def test_the_name_of_a_csr_key_is_the_tpm_name(swtpm: SwTpm) -> None:
+    key = tpm_key(swtpm.tcti)
+    record = NodeKeyRecord.from_dict(key.record)
+    with open_tpm(swtpm.tcti) as t:
+        derived = public_key_of(t, record)
+    csr_key = bpki.csr_public_key(bpki.parse_csr(key.csr_der))
+    assert node_key_public_area(csr_key) == derived.public_area
+    assert name_of(node_key_public_area(csr_key)) == derived.name
+
+
+def test_a_tpm_join_answers_a_challenge_then_admits(tw: TpmWorld) -> None:
+    key = tpm_key(tw.swtpm.tcti)
+    challenge = tw.challenge(key)
+    assert challenge["attestor"] == "tpm"
+    assert challenge["round"] == 1
+    now_ms = datetime.now(UTC).timestamp() * 1000
+    assert now_ms + 50_000 < challenge["not_after"] <= now_ms + 61_000
+    assert set(challenge["challenge"]) == {"id", "credential_blob", "encrypted_secret"}
+    (row,) = tw.rows("SELECT * FROM join_challenges")
+    assert row["used_at"] is None
+    assert row["csr_sha256"] == bpki.sha256_hex(key.csr_der)
+    assert tw.rows("SELECT id FROM nodes") == []  # nothing issued
+
+    answer = tw.answer(key, challenge)
+    body = tw.send(tw.request(key, 1, answer))
+
+    assert body["kind"] == "joined"
+    leaf = bpki.load_pem_chain(body["chain"])[0]
+    statements = bpki.leaf_info(leaf).statements
+    assert len(statements) == 1
+    assert statements[0].startswith("urn:bc:tpm-ak:sha256:")
+    (node,) = tw.rows("SELECT * FROM nodes")
+    ek_hex = hashlib.sha256(
+        base64.b64decode(json.loads(tw.request(key))["evidence"]["ek_public"])
+    ).hexdigest()
+    assert (node["hardware_key"], node["hardware_key_trusted"]) == (ek_hex, 1)
+    assert (node["tenant_id"], node["pool_id"], node["attestor"]) == (tw.tenant, tw.pool, "tpm")
+    (joined,) = tw.rows("SELECT payload FROM events WHERE type = 'node.joined'")
+    assert json.loads(joined["payload"])["nodeKey"] == "tpm"
+    # the challenge is spent: the same answer again is refused
+    tw.refused(tw.request(key, 1, answer), "challenge-used")
+
+
+def test_a_wrong_secret_is_refused(tw: TpmWorld) -> None:
+    key = tpm_key(tw.swtpm.tcti)
+    answer = tw.answer(key, tw.challenge(key))
+    wrong = answer | {"secret": base64.b64encode(b"\0" * 32).decode()}
+    tw.refused(tw.request(key, 1, wrong), "activation")
+    tw.refused(tw.request(key, 1, answer | {"id": "jc_unknown"}), "activation")
+
+
+def test_an_expired_challenge_is_refused(tw: TpmWorld) -> None:
+    key = tpm_key(tw.swtpm.tcti)
+    answer = tw.answer(key, tw.challenge(key))
+    with tw.store.tx() as tx:
+        tx.execute("UPDATE join_challenges SET not_after = ?", (tx.now_ms() - 1,))
+    tw.refused(tw.request(key, 1, answer), "challenge-expired")
+
+
+def test_a_certify_of_another_key_is_refused(tw: TpmWorld) -> None:
+    key = tpm_key(tw.swtpm.tcti)
+    challenge = tw.challenge(key)
+    answer = tw.answer(key, challenge)
+    # the AK certifies another TPM key over the same CSR digest
+    other = NodeKeyRecord.from_dict(tpm_key(tw.swtpm.tcti).record)
+    with open_tpm(tw.swtpm.tcti) as t:
+        attest, sig = certify(t, other, hashlib.sha256(key.csr_der).digest())
+    crafted = answer | {
+        "certify_attest": base64.b64encode(attest).decode(),
+        "certify_sig": base64.b64encode(sig).decode(),
+    }
+    tw.refused(tw.request(key, 1, crafted), "certify")
+    # and the genuine answer presented with another CSR is not this challenge's
+    second = tpm_key(tw.swtpm.tcti)
+    tw.refused(tw.request(second, 1, answer), "challenge-csr")
+
+
+def test_ek_trust_refusals(tw: TpmWorld, tmp_path: Path) -> None:
+    key = tpm_key(tw.swtpm.tcti)
+    other = str(other_ca_bundle(tmp_path / "other.pem"))
+    tw.svc = tw.with_settings(**{"tpm.ek_ca": other})
+    tw.refused(tw.request(key), "ek-chain")
+    allow = tmp_path / "allow"
+    allow.write_text("# nobody\n" + "ab" * 32 + "\n")
+    tw.svc = tw.with_settings(**{"tpm.ek_allow": str(allow)})
+    tw.refused(tw.request(key), "ek-unknown")
+    # an EK on the allow-list needs no chain
+    ek = base64.b64decode(json.loads(tw.request(key))["evidence"]["ek_public"])
+    allow.write_text(hashlib.sha256(ek).hexdigest().upper() + "  # this machine\n")
+    assert tw.send(tw.request(key))["kind"] == "challenge"
+    # a certificate that names another key than the EK does not chain it
+    tw.svc = tw.with_settings(**{"tpm.ek_ca": str(tw.swtpm.ca_bundle)})
+    forged = tw.request(key, ek_public=json.loads(tw.request(key))["evidence"]["ak_public"])
+    tw.refused(forged, "evidence-malformed")
+    tw.svc = JoinService(tw.store, tw.svc.crypto, PLUGINS, {})
+    tw.refused(tw.request(key), "not-configured")
+
+
+def test_ak_statement_format() -> None:
+    name = b"\x00\x0b" + bytes(range(32))
+    assert tpm_attestor.ak_statement(name) == "urn:bc:tpm-ak:sha256:" + bytes(range(32)).hex()
+
+
+def test_reclaim_needs_the_same_ak(tw: TpmWorld) -> None:
+    key = tpm_key(tw.swtpm.tcti)
+    body = tw.send(tw.request(key, 1, tw.answer(key, tw.challenge(key))))
+    node_id = body["node_id"]
+    # the node's certificate names another AK: the same EK does not reclaim it
+    with tw.store.tx() as tx:
+        tx.execute("UPDATE node_certs SET statements = ?", (json.dumps(["urn:bc:tpm-ak:x"]),))
+    again = tpm_key(tw.swtpm.tcti)
+    tw.refused(tw.request(again, 1, tw.answer(again, tw.challenge(again))), "reclaim")
+    with tw.store.tx() as tx:
+        tx.execute(
+            "UPDATE node_certs SET statements = ?",
+            (json.dumps(list(bpki.leaf_info(bpki.load_pem_chain(body["chain"])[0]).statements)),),
+        )
+    third = tpm_key(tw.swtpm.tcti)
+    reclaimed = tw.send(tw.request(third, 1, tw.answer(third, tw.challenge(third))))
+    assert reclaimed["node_id"] == node_id
+    assert reclaimed["identity_generation"] == 2
