@@ -54,6 +54,8 @@ test: lint typecheck pytest
 
 bench: $(STAMP)
 	$(BIN)/python bench/join.py
+	$(BIN)/python bench/renew.py
+	$(BIN)/python bench/tpm.py
 
 clean:
 	rm -rf $(VENV) .quickstart .pytest_cache .mypy_cache .ruff_cache

@@ -1,6 +1,6 @@
 """What the benches share: CPU accounting, stores, joins over the gateway, timing.
 
-Imported by ``bench/join.py`` and ``bench/renew.py`` once they have put the
+Imported by ``bench/join.py``, ``bench/renew.py`` and ``bench/tpm.py`` once they have put the
 repository root on ``sys.path``; not a script of its own.
 """
 
@@ -99,6 +99,17 @@ class Prepared:
     key: ec.EllipticCurvePrivateKey = field(repr=False)
 
 
+def machine_claims(rng: random.Random, seed: int, i: int) -> wire.Claims:
+    """Distinct trusted hardware claims for machine ``i`` of a run seeded ``seed``."""
+    return wire.Claims(
+        product_uuid=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+        product_serial=f"BENCH{seed:03d}{i:07d}{rng.getrandbits(32):08X}",
+        macs=(random_mac(rng),),
+        hostname=f"bench-{seed}-{i}",
+        boot_id=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
+    )
+
+
 def build_bodies(
     n: int, token: str, encryption_key: ec.EllipticCurvePublicKey, seed: int
 ) -> list[Prepared]:
@@ -110,13 +121,7 @@ def build_bodies(
         key = pki.generate_key()
         csr_der = pki.make_csr(key)
         sealed = wire.seal_token(parsed, encryption_key, csr_der, int(time.time()))
-        claims = wire.Claims(
-            product_uuid=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
-            product_serial=f"BENCH{seed:03d}{i:07d}{rng.getrandbits(32):08X}",
-            macs=(random_mac(rng),),
-            hostname=f"bench-{seed}-{i}",
-            boot_id=str(uuid.UUID(int=rng.getrandbits(128), version=4)),
-        )
+        claims = machine_claims(rng, seed, i)
         req = wire.JoinRequest(
             role="node",
             attestor="",
@@ -200,6 +205,20 @@ def count_failures(outcomes: list[Outcome]) -> dict[str, int]:
         what = o.error or f"HTTP {o.status}: {o.body[:120].decode('utf-8', 'replace')}"
         counts[what] = counts.get(what, 0) + 1
     return counts
+
+
+# --- wall-time samples ----------------------------------------------------------------
+
+
+def p90(samples: list[float]) -> float:
+    """The 90th percentile of ``samples`` (nearest rank, as the benches print it)."""
+    ordered = sorted(samples)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.9))]
+
+
+def ms_summary(samples: list[float]) -> str:
+    """``median X ms, p90 Y ms`` of wall-time samples in seconds."""
+    return f"median {statistics.median(samples) * 1000:8.2f} ms, p90 {p90(samples) * 1000:8.2f} ms"
 
 
 # --- the crypto floor ---------------------------------------------------------------
