@@ -11,6 +11,7 @@ import argparse
 import json
 import logging
 import os
+import pwd
 import sys
 import urllib.parse
 from collections.abc import Callable, Sequence
@@ -25,10 +26,17 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from bcd import __version__, doctor, fs, pki, wire
 from bcd.config import Config, join_encryption_jwk_path, load_config, parse_config, render_config
 from bcd.credential import Credential, read_stdin, read_token_file, remove_credential_files
-from bcd.errors import BcdError, JoinError, UsageError
+from bcd.errors import BcdError, ConfigError, JoinError, UsageError
 from bcd.hardware import read_claims
 from bcd.httpclient import fetch_url
-from bcd.identity import apply_reset, load_state, persist_join, reset_plan
+from bcd.identity import (
+    apply_reset,
+    hand_over,
+    load_state,
+    persist_join,
+    reset_plan,
+    write_join_record,
+)
 from bcd.keys.file import generate_file_key, key_to_pem
 from bcd.plugins import JOIN_TOKEN, load_plugins
 from bcd.tpm.record import NodeKeyRecord
@@ -211,6 +219,59 @@ def _tpm_node_key(cfg: Config) -> HeldKey:
     return HeldKey(public_key, csr_der, record.to_dict())
 
 
+def _node_key(cfg: Config, attestor: str) -> tuple[ec.EllipticCurvePrivateKey | HeldKey, bytes]:
+    """Join step 1: the node key and what node.key will hold.
+
+    A tpm join makes it in the TPM. Otherwise ``[tpm] mode`` decides: ``off`` and
+    ``auto`` a file key; ``required`` a key in the TPM at ``[tpm] tcti``, or a
+    JoinError before anything is sent.
+
+    ``auto`` is meant to use the TPM whenever one is usable (the seed), but ``bcd
+    node`` cannot yet present a TPM-held key in mutual TLS (docs/decisions.md): until
+    it can, ``auto`` keeps file keys so that a default install is a working node.
+    """
+    if attestor == TPM_ATTESTOR:
+        held = _tpm_node_key(cfg)
+        return held, NodeKeyRecord.from_dict(held.record).to_json()
+    mode, tcti = cfg.tpm.mode, cfg.tpm.tcti
+    if mode == "required":
+        from bcd.tpm import TpmError
+        from bcd.tpm.device import missing_device
+
+        why = missing_device(tcti)
+        if why is None:
+            try:
+                held = _tpm_node_key(cfg)
+            except TpmError as exc:
+                why = str(exc)
+            else:
+                return held, NodeKeyRecord.from_dict(held.record).to_json()
+        if mode == "required":
+            raise JoinError(
+                f"[tpm] mode = required, but the TPM cannot be used ({why}); nothing was sent. "
+                f"Make the TPM at {tcti} usable, or set [tpm] mode = auto or off in {cfg.path}"
+            )
+    key = generate_file_key()
+    return key, key_to_pem(key)
+
+
+def _helper_owner(cfg: Config) -> tuple[int, int] | None:
+    """Under ``[helper]``, the uid and gid identity.json and node.key are handed to.
+
+    Looked up before anything is sent: a missing user fails the join with nothing done.
+    """
+    if cfg.helper is None:
+        return None
+    try:
+        user = pwd.getpwnam(cfg.helper.user)
+    except KeyError as exc:
+        raise JoinError(
+            f"no user named {cfg.helper.user!r} ([helper] user in {cfg.path}) to hand the "
+            "identity over to; create it or fix the configuration, then join again"
+        ) from exc
+    return user.pw_uid, user.pw_gid
+
+
 def cmd_join(args: argparse.Namespace) -> int:
     if os.geteuid() != 0:
         raise BcdError("bcd join must run as root (it writes the node's identity)")
@@ -249,6 +310,8 @@ def cmd_join(args: argparse.Namespace) -> int:
             print(f"already joined as {ident.node_id} (site {ident.site_id}, role {ident.role})")
             return 0
 
+    owner = _helper_owner(cfg)
+    key, key_bytes = _node_key(cfg, args.attestor)
     credential = _read_credential(args)
     plugins = load_plugins()
     for failure in plugins.failures:
@@ -269,13 +332,6 @@ def cmd_join(args: argparse.Namespace) -> int:
             encryption_key = _key_from_document(doc, cfg.join_encryption_key_pin, args.server)
     from bcd.join import join
 
-    key: ec.EllipticCurvePrivateKey | HeldKey
-    if args.attestor == TPM_ATTESTOR:
-        key = _tpm_node_key(cfg)
-        key_bytes = NodeKeyRecord.from_dict(key.record).to_json()
-    else:
-        key = generate_file_key()
-        key_bytes = key_to_pem(key)
     joined = trio.run(
         lambda: join(
             cfg,
@@ -290,10 +346,16 @@ def cmd_join(args: argparse.Namespace) -> int:
         )
     )
     ident = joined.identity
+    if cfg.helper is not None:
+        # Join step 5, root's record, before the identity: a failed record fails the
+        # join and leaves no identity (and, after --reset --yes, the old one in place).
+        write_join_record(cfg.helper.hostconfig_dir, joined.signed)
     # The old identity moves aside only once the new one is in hand: a refused or
     # failed join after --reset --yes leaves the machine as it was.
     apply_reset(plan)
     persist_join(data_dir, ident, key_bytes, _now())
+    if owner is not None:
+        hand_over(data_dir, *owner)  # join step 7: lchown, never through a swapped-in link
     if bootstrap_doc is not None:
         cfg = replace(cfg, site=ident.site_id)
         fs.ensure_dir(config_path.parent, 0o755)
@@ -316,7 +378,14 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    checks = doctor.run_checks(Path(args.config), _now())
+    config_path = Path(args.config)
+    checks = doctor.run_checks(config_path, _now())
+    try:
+        cfg = load_config(config_path)
+    except ConfigError:
+        checks.append(doctor.Check("tpm", "fail", doctor.NO_CONFIG_FOR_TPM))
+    else:
+        checks.append(doctor.tpm_check(cfg))
     plugins = load_plugins()
     checks.append(doctor.plugins_check(plugins))
     print(doctor.render_json(checks) if args.json else doctor.render_text(checks).rstrip("\n"))
@@ -324,7 +393,7 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    from bcd.errors import CertificateRevoked, ConfigError, IdentityError
+    from bcd.errors import CertificateRevoked, IdentityError
     from bcd.node import (
         EXIT_INTERNAL,
         EXIT_NEEDS_OPERATOR,

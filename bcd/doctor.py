@@ -9,6 +9,19 @@ Checks, in order:
     warn: the node has not joined; fail: the identity does not load, the certificate
     expired, or there is no configuration to find it; ok: the node, site, role and
     the certificate's end.
+``tpm``
+    The TPM the node keys live in (``bcd doctor`` adds it with :func:`tpm_check`).
+    ``[tpm] mode = off``: ok, the TPM is not used. Under ``[helper]``: fail while the
+    ``[helper]`` user is still a member of the ``tss`` group (it could open the TPM
+    itself, bypassing bcd helper; the way back is ``gpasswd -d <user> tss``); then the
+    TPM must answer ``tpm.ak`` through bcd helper. bcd helper has no call that reads
+    the EK certificate, so the ok message says "EK certificate not checked through the
+    helper". Without ``[helper]``, as root, the TPM at ``[tpm] tcti`` is opened
+    directly and the EK certificate must be readable (warn when it is not: only a
+    ``--attestor tpm`` join needs it). No usable TPM: fail with ``mode = required``, ok
+    ("no TPM; node keys are files") with ``mode = auto``; bcd helper not reachable: fail
+    with ``required``, warn with ``auto``. Without ``[helper]`` and not root: warn, the
+    TPM is not checked.
 ``plugins``
     Every registered attestor plugin loaded (``bcd doctor`` adds it with
     :func:`plugins_check`). warn: a plugin did not load, naming it; ok: the attestors.
@@ -24,13 +37,16 @@ node.key.next left by an interrupted renewal, exactly as the agent would at star
 
 from __future__ import annotations
 
+import grp
 import json
+import os
+import pwd
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
-from bcd.config import load_config
+from bcd.config import Config, load_config
 from bcd.errors import ConfigError, IdentityError
 from bcd.identity import NOT_JOINED, load_state
 
@@ -40,6 +56,7 @@ if TYPE_CHECKING:
 Status = Literal["ok", "warn", "fail"]
 STATUSES: tuple[Status, ...] = ("ok", "warn", "fail")
 NO_CONFIG_FOR_IDENTITY = "cannot check the identity without a configuration"
+NO_CONFIG_FOR_TPM = "cannot check the TPM without a configuration"
 EXPIRED_WAY_BACK = "join again as root: bcd join --reset --yes, then bcd join"
 
 
@@ -83,6 +100,105 @@ def check_identity(data_dir: Path, now: datetime) -> Check:
         f"node {ident.node_id} (site {ident.site_id}, role {ident.role}); "
         f"certificate valid until {ident.not_after}",
     )
+
+
+TSS_GROUP = "tss"
+TPM_OFF = "TPM not used (mode off)"
+NO_TPM_FILE_KEYS = "no TPM; node keys are files"
+EK_NOT_CHECKED = "EK certificate not checked through the helper"
+
+
+def in_group(user: str, group: str) -> bool:
+    """Whether ``user`` is a member of ``group`` (listed in it, or its primary group)."""
+    try:
+        entry = grp.getgrnam(group)
+    except KeyError:
+        return False
+    if user in entry.gr_mem:
+        return True
+    try:
+        return pwd.getpwnam(user).pw_gid == entry.gr_gid
+    except KeyError:
+        return False
+
+
+def tpm_check(cfg: Config) -> Check:
+    """The TPM the node keys live in; see the module's ``tpm`` entry."""
+    mode = cfg.tpm.mode
+    if mode == "off":
+        return Check("tpm", "ok", TPM_OFF)
+    if cfg.helper is not None:
+        user = cfg.helper.user
+        if in_group(user, TSS_GROUP):
+            return Check(
+                "tpm",
+                "fail",
+                f"the [helper] user {user} is a member of the {TSS_GROUP} group, so bcd node "
+                f"could open the TPM itself; remove {user} from the {TSS_GROUP} group: "
+                f"gpasswd -d {user} {TSS_GROUP}",
+            )
+        return _tpm_through_helper(cfg)
+    if os.geteuid() != 0:
+        return Check(
+            "tpm",
+            "warn",
+            f"the TPM at {cfg.tpm.tcti} was not checked: run bcd doctor as root "
+            "(or configure [helper] with bcd helper running)",
+        )
+    return _tpm_direct(cfg)
+
+
+def _no_tpm(mode: str, why: str) -> Check:
+    if mode == "required":
+        return Check("tpm", "fail", f"[tpm] mode = required, but {why}")
+    return Check("tpm", "ok", f"{NO_TPM_FILE_KEYS} ({why})")
+
+
+def _tpm_through_helper(cfg: Config) -> Check:
+    import trio
+
+    from bcd.helper import HelperError, HelperNoTpm
+    from bcd.helper.client import HelperClient
+
+    assert cfg.helper is not None
+    client = HelperClient(cfg.helper.socket)
+    try:
+        ak = trio.run(client.ak)
+    except HelperNoTpm as exc:
+        return _no_tpm(cfg.tpm.mode, str(exc))
+    except HelperError as exc:
+        return Check("tpm", "fail" if cfg.tpm.mode == "required" else "warn", str(exc))
+    return Check(
+        "tpm",
+        "ok",
+        f"TPM reachable through bcd helper at {cfg.helper.socket} "
+        f"(AK sha256:{ak.name[2:].hex()[:16]}…); {EK_NOT_CHECKED}",
+    )
+
+
+def _tpm_direct(cfg: Config) -> Check:
+    from bcd.tpm import TpmError
+    from bcd.tpm.device import missing_device, open_tpm
+    from bcd.tpm.ek import ek_kind, read_ek_certificate
+
+    absent = missing_device(cfg.tpm.tcti)
+    if absent is not None:
+        return _no_tpm(cfg.tpm.mode, f"no usable TPM at {cfg.tpm.tcti}: {absent}")
+    try:
+        with open_tpm(cfg.tpm.tcti) as tpm:
+            try:
+                kind = ek_kind(tpm)
+                read_ek_certificate(tpm, kind)
+            except TpmError as exc:
+                return Check(
+                    "tpm",
+                    "warn",
+                    f"TPM present at {cfg.tpm.tcti}, but the EK certificate is not readable "
+                    f"({exc}); a join with --attestor tpm needs it",
+                )
+    except TpmError as exc:
+        return _no_tpm(cfg.tpm.mode, f"no usable TPM at {cfg.tpm.tcti}: {exc}")
+    return Check("tpm", "ok", f"TPM present at {cfg.tpm.tcti}; EK certificate ({kind}) readable")
 
 
 def plugins_check(plugins: Plugins) -> Check:

@@ -613,6 +613,31 @@ def store_renewal(
         ) from exc
 
 
+JOIN_RECORD_FILE = "join-response.jws"
+
+
+def write_join_record(hostconfig_dir: Path, signed: str) -> Path:
+    """Join step 5, root's record: the verified SignedResponse as received (compact JWS).
+
+    ``<hostconfig_dir>/join-response.jws``, 0600, written atomically, in a directory
+    made (or set to) 0700; a symlink where the directory should be is refused. Called
+    before the identity is persisted: an IdentityError here leaves no identity.
+    """
+    path = hostconfig_dir / JOIN_RECORD_FILE
+    try:
+        data = signed.encode("ascii")
+        fs.ensure_dir(hostconfig_dir, 0o700)
+        fs.atomic_write(path, data, 0o600)
+    except (OSError, UnicodeEncodeError) as exc:
+        detail = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise IdentityError(
+            f"cannot record the join response in {path}: {detail}; no identity was stored. "
+            "Make the directory writable by root and join again (a join token is spent: "
+            "use a new one)"
+        ) from exc
+    return path
+
+
 def hand_over(data_dir: Path, uid: int, gid: int) -> None:
     """Join step 7: give identity.json and node.key to the [helper] user.
 

@@ -38,8 +38,12 @@ REFUSED = "the control plane refused the join (ACCESS_DENIED: Join refused)"
 
 @dataclass(frozen=True, slots=True)
 class Joined:
+    """A verified join: the identity to persist, the answer's body, and ``signed``, the
+    SignedResponse exactly as received (a compact JWS), for root's record."""
+
     identity: Identity
     body: dict[str, Any]
+    signed: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,7 +299,7 @@ async def join(
             role=role,
         )
         if body["kind"] == "joined":
-            return Joined(identity_of(body, key_kind), body)
+            return Joined(identity_of(body, key_kind), body, signed)
         if body["kind"] == "pending":
             wait = body.get("retry_after_s", 1)
             wait = max(1, wait) if isinstance(wait, int) else 1

@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from bcd import wire
 from tests.e2e import ControlPlane, Node
 from tests.fakesys import make_machine
+from tests.sysusers import temporary_user
 
 pytestmark = pytest.mark.e2e
 
@@ -186,3 +188,77 @@ def test_fifty_concurrent_joins_on_a_five_use_token_admit_five(
     assert cp.one("SELECT uses_left FROM join_tokens WHERE id = ?", (token["id"],)) == {
         "uses_left": 0
     }
+
+
+# --- under [helper]: root's record and the hand-over -----------------------------------
+
+
+def _helper_node(root: Path, cp: ControlPlane, site: str, user: str, hostconfig: Path) -> Node:
+    node = Node.make(root, cp, site)
+    with node.config.open("a") as f:
+        f.write(
+            f'[helper]\nuser = "{user}"\nhostconfig_dir = "{hostconfig}"\n[tpm]\nmode = "off"\n'
+        )
+    return node
+
+
+def test_under_helper_root_records_the_response_and_hands_the_identity_over(
+    sqlite_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    """A real temporary user (useradd; skipped without it) becomes the files' owner."""
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    hostconfig = tmp_path / "hostconfig" / "bcd"
+    with temporary_user() as user:
+        node = _helper_node(tmp_path / "node", cp, site, user.pw_name, hostconfig)
+        done = node.join(cp.token(pool)["token"])
+        assert done.returncode == 0, done.stderr
+        for name in ("identity.json", "node.key"):
+            st = (node.data_dir / name).stat()
+            assert (st.st_uid, st.st_gid) == (user.pw_uid, user.pw_gid), name
+            assert stat.S_IMODE(st.st_mode) == 0o600
+    record = hostconfig / "join-response.jws"
+    assert stat.S_IMODE(hostconfig.stat().st_mode) == 0o700
+    st = record.stat()
+    assert (stat.S_IMODE(st.st_mode), st.st_uid) == (0o600, 0)
+    body = wire.verify_response(record.read_text(), cp.pins()["join_signing_key_pin"])
+    ident = json.loads((node.data_dir / "identity.json").read_text())
+    assert (body["kind"], body["node_id"], body["chain"]) == (
+        "joined",
+        ident["node_id"],
+        ident["chain"],
+    )
+
+
+def test_under_helper_a_failed_record_fails_the_join_and_leaves_no_identity(
+    sqlite_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory\n")
+    node = _helper_node(tmp_path / "node", cp, site, "root", blocker / "hostconfig")
+    done = node.join(cp.token(pool)["token"])
+    assert done.returncode == 1
+    assert done.stderr.startswith(
+        f"bcd: cannot record the join response in {blocker / 'hostconfig' / 'join-response.jws'}: "
+    )
+    assert "no identity was stored" in done.stderr
+    assert not (node.data_dir / "identity.json").exists()
+    assert not (node.data_dir / "node.key").exists()
+    again = node.join(None)  # still not joined: it asks for a token, not "already joined"
+    assert again.returncode == 1
+    assert "no join credential in standard input" in again.stderr
+
+
+def test_under_helper_a_missing_user_fails_before_sending(
+    sqlite_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    node = _helper_node(tmp_path / "node", cp, site, "bcdtest-nobody-here", tmp_path / "hc")
+    done = node.join(cp.token(pool)["token"])
+    assert done.returncode == 1
+    assert "no user named 'bcdtest-nobody-here'" in done.stderr
+    assert cp.events(type_="node.joined") == []
+    assert not (tmp_path / "hc").exists()

@@ -109,7 +109,9 @@ def _bad_csr_body(state: LoadedState) -> bytes:
     csr = b"\x30\x03\x02\x01\x00"
     now = int(time.time() * 1000)
     sig = pki.sign_p1363(state.key, pki.renew_pop_message(csr, state.identity.node_id, now))
-    req = wire.RenewRequest(csr_der=csr, chain=state.identity.chain, client_time_ms=now, pop_sig=sig)
+    req = wire.RenewRequest(
+        csr_der=csr, chain=state.identity.chain, client_time_ms=now, pop_sig=sig
+    )
     return json.dumps(req.to_json()).encode()
 
 

@@ -173,3 +173,108 @@ def test_an_ek_not_chaining_to_the_bundle_is_refused(
         assert reasons == ["tpm:ek-chain"]
     finally:
         cp.stop()
+
+
+# --- token joins and [tpm] mode ---------------------------------------------------------
+
+
+def _token_node(root: Path, cp: ControlPlane, site: str, tpm: str) -> Node:
+    node = Node.make(root, cp, site)
+    with node.config.open("a") as f:
+        f.write(tpm)
+    return node
+
+
+def _closed_tcti() -> str:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"swtpm:host=127.0.0.1,port={port}"
+
+
+def test_a_token_join_with_tpm_required_makes_the_node_key_in_the_tpm(
+    sqlite_control_plane: ControlPlane, tmp_path: Path, swtpm: SwTpm
+) -> None:
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    node = _token_node(
+        tmp_path / "node", cp, site, f'[tpm]\nmode = "required"\ntcti = "{swtpm.tcti}"\n'
+    )
+
+    done = node.join(cp.token(pool)["token"])
+
+    assert done.returncode == 0, done.stderr
+    m = JOINED.match(done.stdout.strip())
+    assert m, done.stdout
+    node_id = m.group(1)
+    ident = json.loads((node.data_dir / "identity.json").read_text())
+    assert ident["key"] == "tpm"
+    raw = (node.data_dir / "node.key").read_bytes()
+    record = NodeKeyRecord.from_json(raw)
+    assert json.loads(raw) == record.to_dict()  # node.key is the record, no key material
+    leaf_key = pki.load_pem_chain(ident["chain"])[0].public_key()
+    assert record.pin == pki.spki_pin(leaf_key)  # type: ignore[arg-type]
+    from bcd.tpm.nodekey import derive_node_key
+
+    with open_tpm(swtpm.tcti) as tpm:
+        assert pki.same_public_key(derive_node_key(tpm, record), leaf_key)  # type: ignore[arg-type]
+    (joined,) = cp.events(type_="node.joined")
+    assert (joined["nodeId"], joined["nodeKey"]) == (node_id, "unattested")
+
+    again = node.join(None)  # the identity loads: the TPM derives the key again
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.strip() == f"already joined as {node_id} (site {site}, role node)"
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_tpm_mode_off_and_auto_keep_a_file_key_while_bcd_node_needs_one(
+    sqlite_control_plane: ControlPlane, tmp_path: Path, swtpm: SwTpm, mode: str
+) -> None:
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    node = _token_node(
+        tmp_path / "node", cp, site, f'[tpm]\nmode = "{mode}"\ntcti = "{swtpm.tcti}"\n'
+    )
+    done = node.join(cp.token(pool)["token"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads((node.data_dir / "identity.json").read_text())["key"] == "file"
+    assert (node.data_dir / "node.key").read_bytes().startswith(b"-----BEGIN PRIVATE KEY-----")
+
+
+def test_tpm_mode_auto_without_a_tpm_keeps_a_file_key(
+    sqlite_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    node = _token_node(
+        tmp_path / "node", cp, site, '[tpm]\nmode = "auto"\ntcti = "device:/dev/no-tpm"\n'
+    )
+    done = node.join(cp.token(pool)["token"])
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""  # no TPM device: not even opened
+    assert json.loads((node.data_dir / "identity.json").read_text())["key"] == "file"
+
+
+def test_tpm_mode_required_without_a_tpm_fails_before_sending(
+    sqlite_control_plane: ControlPlane, tmp_path: Path
+) -> None:
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    tcti = _closed_tcti()
+    node = _token_node(tmp_path / "node", cp, site, f'[tpm]\nmode = "required"\ntcti = "{tcti}"\n')
+    token = cp.token(pool)
+    done = node.join(token["token"])
+    assert done.returncode == 1
+    assert (
+        f"bcd: [tpm] mode = required, but the TPM cannot be used (cannot open the TPM at {tcti}"
+        in done.stderr
+    )
+    assert "nothing was sent" in done.stderr
+    assert not (node.data_dir / "identity.json").exists()
+    assert cp.events(type_="node.joined") == []
+    assert cp.events(type_="security.join.refused") == []
+    # the token is still good: the same machine joins with it once the TPM is off
+    node.config.write_text(node.config.read_text().replace('"required"', '"off"'))
+    assert node.join(token["token"]).returncode == 0

@@ -643,3 +643,24 @@ def test_load_state_removes_temporaries_a_crash_left_behind(tmp_path: Path) -> N
     assert load_state(tmp_path) is not None
     assert not stale.exists()
     assert other.exists()
+
+
+def test_hand_over_changes_only_a_swapped_in_link(tmp_path: Path) -> None:
+    """A real temporary user (useradd; skipped without it)."""
+    from bcd.identity import hand_over
+    from tests.sysusers import temporary_user
+
+    data_dir = tmp_path / "data"
+    data_dir.mkdir()
+    (data_dir / "identity.json").write_text("{}\n")
+    target = tmp_path / "elsewhere"
+    target.write_text("root's\n")
+    (data_dir / "node.key").symlink_to(target)
+    with temporary_user() as user:
+        hand_over(data_dir, user.pw_uid, user.pw_gid)
+        owner = (user.pw_uid, user.pw_gid)
+        st = (data_dir / "identity.json").stat()
+        assert (st.st_uid, st.st_gid) == owner
+        link = os.lstat(data_dir / "node.key")
+        assert (link.st_uid, link.st_gid) == owner
+        assert (target.stat().st_uid, target.stat().st_gid) == (0, 0)

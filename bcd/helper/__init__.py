@@ -14,6 +14,7 @@ The client and the protocol never import tpm2-pytss: ``bcd node`` never opens th
     BcdError
     └── HelperError              bcd helper cannot be reached, refused, or answered wrong
         ├── ProtocolError        a request or an answer does not parse (has .code)
+        ├── HelperNoTpm          bcd helper runs but has no usable TPM (answered no-tpm)
         └── HelperKeyMismatch    the TPM derives another key than node.key's pin
                                  (also a bcd.tpm.TpmKeyMismatch)
 """
@@ -28,6 +29,10 @@ class HelperError(BcdError):
     """Raised when bcd helper cannot be reached, refuses a call, or its answer fails a check."""
 
 
+class HelperNoTpm(HelperError):
+    """Raised when bcd helper answers ``no-tpm``: it runs, but the TPM is off or unusable."""
+
+
 class HelperKeyMismatch(HelperError, TpmKeyMismatch):
     """Raised when the key derived through the helper is not the one node.key is pinned to.
 
@@ -36,4 +41,4 @@ class HelperKeyMismatch(HelperError, TpmKeyMismatch):
     """
 
 
-__all__ = ["HelperError", "HelperKeyMismatch"]
+__all__ = ["HelperError", "HelperKeyMismatch", "HelperNoTpm"]

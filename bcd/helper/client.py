@@ -26,11 +26,12 @@ from typing import TypeVar
 
 import trio
 
-from bcd.helper import HelperError, HelperKeyMismatch
+from bcd.helper import HelperError, HelperKeyMismatch, HelperNoTpm
 from bcd.helper.protocol import (
     FORBIDDEN,
     KEY_MISMATCH,
     MAX_LINE,
+    NO_TPM,
     AkCall,
     AkResult,
     Call,
@@ -208,6 +209,8 @@ class HelperClient:
         if isinstance(outcome, ErrorAnswer):
             if outcome.code == KEY_MISMATCH:
                 raise HelperKeyMismatch(KEY_MISMATCH_MESSAGE)
+            if outcome.code == NO_TPM:
+                raise HelperNoTpm(f"bcd helper has no usable TPM: {outcome.message}")
             if outcome.code == FORBIDDEN:
                 raise HelperError(
                     f"bcd helper refused this user ({outcome.message}); bcd node must run as "

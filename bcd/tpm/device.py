@@ -12,6 +12,7 @@ tpm2-pytss exceptions never leave this package: they become :class:`TpmError`.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -189,6 +190,24 @@ class Tpm:
         if not self._closed:
             self._closed = True
             self._esapi.close()
+
+
+_DEVICE_TCTIS = ("device", "libtss2-tcti-device.so", "libtss2-tcti-device.so.0")
+_DEFAULT_DEVICE = "/dev/tpm0"
+
+
+def missing_device(tcti: str) -> str | None:
+    """Why a ``device:`` TCTI names no TPM (its device node does not exist), else None.
+
+    Lets a caller that only probes for a TPM (``[tpm] mode = auto``) skip opening a
+    TPM that cannot be there, and the TSS library's error lines with it. Any other
+    TCTI (or a device that exists) gives None: open it to find out.
+    """
+    name, _, conf = tcti.partition(":")
+    if name not in _DEVICE_TCTIS:
+        return None
+    path = conf or _DEFAULT_DEVICE
+    return None if os.path.exists(path) else f"no TPM device {path}"
 
 
 @contextmanager
