@@ -53,13 +53,21 @@ def main() -> int:
     home, node = ROOT / "control-plane", ROOT / "node"
     home.mkdir(parents=True, mode=0o700)
     (node / "etc").mkdir(parents=True)
-    env = {**os.environ, "BETTER_COMPUTE_SECRET": SECRET, "BETTER_COMPUTE_HOME": str(home)}
+    # Only the commands that decrypt the PKI (pki …, serve) get the secret; the API
+    # clients and bcd never see it in their environment.
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("BETTER_COMPUTE_SECRET", "BETTER_COMPUTE_HOME")
+    }
+    env["BETTER_COMPUTE_HOME"] = str(home)
+    pki_env = {**env, "BETTER_COMPUTE_SECRET": SECRET}
     bc = str(BIN / "better-compute")
 
     step("the machine PKI: CAs, JoinService keys, a gateway certificate")
-    run(bc, "pki", "init", "--trust-domain", "quickstart.example", env=env)
-    run(bc, "pki", "issue-gateway", "--san", "127.0.0.1", env=env)
-    pins = json.loads(run(bc, "pki", "pins", "--json", env=env))
+    run(bc, "pki", "init", "--trust-domain", "quickstart.example", env=pki_env)
+    run(bc, "pki", "issue-gateway", "--san", "127.0.0.1", env=pki_env)
+    pins = json.loads(run(bc, "pki", "pins", "--json", env=pki_env))
 
     step("the root tenant and its API credential")
     cred = home / "root.credential"
@@ -95,7 +103,7 @@ def main() -> int:
             "--ready-file",
             str(ready),
         ],
-        env=env,
+        env=pki_env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )

@@ -28,9 +28,11 @@ SECRET = "e2e-secret-0123456789abcdef"
 TRUST_DOMAIN = "td.example"
 
 
-def cli_env(home: Path) -> dict[str, str]:
+def cli_env(home: Path, *, secret: bool = True) -> dict[str, str]:
+    """A child's environment; only control-plane commands that decrypt the PKI get the secret."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("BETTER_COMPUTE_", "BCD_"))}
-    env["BETTER_COMPUTE_SECRET"] = SECRET
+    if secret:
+        env["BETTER_COMPUTE_SECRET"] = SECRET
     env["BETTER_COMPUTE_HOME"] = str(home)
     return env
 
@@ -248,7 +250,7 @@ class Node:
         argv = [str(BIN / "bcd"), *args]
         if config:
             argv += ["--config", str(self.config)]
-        return run(argv, input=input, env=cli_env(self.root))
+        return run(argv, input=input, env=cli_env(self.root, secret=False))
 
     def join(self, token: str | None, *extra: str) -> subprocess.CompletedProcess[str]:
         return self.bcd(

@@ -33,7 +33,7 @@ def short_lived(tmp_path: Path, pki_template: Path) -> Iterator[ControlPlane]:
 def _start_node(node: Node) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [str(BIN / "bcd"), "node", "--config", str(node.config)],
-        env=cli_env(node.root),
+        env=cli_env(node.root, secret=False),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -127,7 +127,7 @@ def test_sigkill_at_a_renewal_storage_step_leaves_a_loadable_identity(
     before = _serial(node)
     proc = subprocess.Popen(
         [str(BIN / "bcd"), "node", "--config", str(node.config)],
-        env={**cli_env(node.root), "BCD_FAIL_POINT": fail_point},
+        env={**cli_env(node.root, secret=False), "BCD_FAIL_POINT": fail_point},
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
