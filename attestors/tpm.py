@@ -59,14 +59,14 @@ from bcd.plugins import (
     hookimpl,
 )
 from bcd.tpm import TpmError
-from bcd.tpm.structures import HASHES, name_of, parse_name
+from bcd.tpm.attestation import ak_statement
+from bcd.tpm.structures import name_of
 from bcd.tpm.templates import check_ak_public, check_ek_public, node_key_public_area
 from bcd.tpm.verify import check_ek_certificate, verify_certify
 
 TPM = "tpm"
 CHALLENGE_TTL_MS = 60_000
 SECRET_SIZE = 32
-STATEMENT_PREFIX = "urn:bc:tpm-ak:"
 SETTING_EK_CA = "tpm.ek_ca"
 SETTING_EK_ALLOW = "tpm.ek_allow"
 SETTING_POOL = "tpm.pool"
@@ -90,12 +90,6 @@ def _b64(obj: dict[str, Any], name: str, limit: int = _MAX_FIELD) -> bytes:
 
 def _enc(data: bytes) -> str:
     return base64.b64encode(data).decode("ascii")
-
-
-def ak_statement(ak_name: bytes) -> str:
-    """``urn:bc:tpm-ak:<nameAlg>:<hex digest>`` for an AK name."""
-    alg, digest = parse_name(ak_name, "the AK name")
-    return f"{STATEMENT_PREFIX}{HASHES[alg]}:{digest.hex()}"
 
 
 @hookimpl

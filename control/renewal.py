@@ -40,6 +40,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki, wire
+from bcd.tpm.attestation import AttestationRefused, check_key_attestation
 from control import events
 from control.errors import ControlError, Refused, StoreConflict, invalid
 from control.joinservice import (
@@ -162,12 +163,15 @@ class RenewService:
         tenant = str(node["tenant_id"])
         if attempt.csr is None:
             raise refuse("csr-invalid", tenant)
-        if any(s.startswith(TPM_AK_STATEMENT) for s in info.statements):
-            if request.key_attestation is None:
-                raise refuse("key-attestation-missing", tenant)
-            # Verifying the AK's TPM2_Certify of the new key comes with the TPM issue;
-            # until then no attestation is accepted, and nothing is ever downgraded.
-            raise refuse("key-attestation-ak", tenant)
+        try:  # a leaf naming an AK renews only with that AK's proof: never downgraded
+            check_key_attestation(
+                request.key_attestation,
+                info.statements,
+                pki.csr_public_key(attempt.csr),
+                request.csr_der,
+            )
+        except AttestationRefused as exc:
+            raise refuse(exc.reason, tenant) from None
         pushback = check_renew_rate(tx, node_id)
         if pushback is not None:
             raise ControlError(

@@ -577,14 +577,14 @@ def test_refused_key_attestation_missing_for_a_leaf_naming_an_ak(env: Env) -> No
     env.refused(env.body(tpm), tpm.der, "key-attestation-missing", routed_to=OWNER, node=tpm)
 
 
-def test_refused_key_attestation_ak_while_attestations_cannot_be_verified(env: Env) -> None:
+def test_refused_node_key_malformed_for_an_attestation_that_does_not_parse(env: Env) -> None:
     node = env.join(30)
     tpm = env.issue_extra(node, (AK,))
     attestation = {"ak_public": "AAAA", "key_public": "AAAA", "certify": "AAAA"}
     env.refused(
         env.body(tpm, key_attestation=attestation),
         tpm.der,
-        "key-attestation-ak",
+        "node-key-malformed",
         routed_to=OWNER,
         node=tpm,
     )
