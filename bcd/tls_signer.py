@@ -20,9 +20,11 @@ unchanged; :func:`request_with_signer` is connect, one request, close.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import socket
-import threading
+import types
+import warnings
 from collections.abc import Callable, Generator, Sequence
 from datetime import UTC, datetime
 from typing import Any, TypeVar
@@ -30,13 +32,17 @@ from typing import Any, TypeVar
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
-from tlslite.api import HandshakeSettings, TLSConnection, X509CertChain
-from tlslite.errors import TLSError
-from tlslite.utils.python_ecdsakey import Python_ECDSAKey
 
 from bcd.errors import PeerVerificationError, TransportError
 from bcd.httpclient import Response, request
 from bcd.tls import os_reason, verify_server_chain
+
+with warnings.catch_warnings():
+    # tlslite's package imports its asyncore integration (deprecated in 3.11).
+    warnings.filterwarnings("ignore", category=DeprecationWarning, message=".*asyncore")
+    from tlslite.api import HandshakeSettings, TLSConnection, X509CertChain
+    from tlslite.errors import TLSError
+    from tlslite.utils.python_ecdsakey import Python_ECDSAKey
 
 SignDigest = Callable[[bytes], bytes]
 """Sign a 32-byte SHA-256 digest with the node key; a 64-byte P1363 signature."""
@@ -54,11 +60,13 @@ class _CallbackKey(Python_ECDSAKey):  # type: ignore[misc]
         numbers = public_key.public_numbers()
         super().__init__(numbers.x, numbers.y, "NIST256p")
         self._sign_digest = sign_digest
+        # TLS 1.2's CertificateVerify reads the curve off the private key object.
+        self.private_key = types.SimpleNamespace(curve=self.public_key.curve)
 
-    def hasPrivateKey(self) -> bool:  # noqa: N802 - tlslite's name
+    def hasPrivateKey(self) -> bool:
         return True
 
-    def _sign(self, data: Any, hAlg: str) -> bytearray:  # noqa: N803 - tlslite's name
+    def _sign(self, data: Any, hAlg: str) -> bytearray:
         digest = bytes(data)
         if hAlg != "sha256" or len(digest) != 32:
             raise TLSError(f"the node key signs SHA-256 digests, not {hAlg}")
@@ -68,7 +76,7 @@ class _CallbackKey(Python_ECDSAKey):  # type: ignore[misc]
         r, s = int.from_bytes(signature[:32], "big"), int.from_bytes(signature[32:], "big")
         return bytearray(encode_dss_signature(r, s))
 
-    def _hashAndSign(self, data: Any, hAlg: str) -> bytearray:  # noqa: N802, N803
+    def _hashAndSign(self, data: Any, hAlg: str) -> bytearray:
         raise TLSError("the node key signs digests only")
 
 
@@ -80,8 +88,10 @@ class _PinnedConnection(TLSConnection):  # type: ignore[misc]
         self._pin_name = server_name
         self._pin = pin
 
-    def _clientGetKeyFromChain(self, certificate: Any, settings: Any, *rest: Any) -> Generator[Any]:  # noqa: N802
-        for result in super()._clientGetKeyFromChain(certificate, settings, *rest):
+    def _clientGetKeyFromChain(
+        self, certificate: Any, settings: Any, tack_ext: Any = None
+    ) -> Generator[Any]:
+        for result in super()._clientGetKeyFromChain(certificate, settings, tack_ext):
             if result in (0, 1):
                 yield result
                 continue
@@ -103,6 +113,11 @@ def _settings() -> HandshakeSettings:
     settings.ecdsaSigHashes = ["sha256"]  # the node key signs SHA-256 digests
     settings.more_sig_schemes = []  # no EdDSA
     settings.useEncryptThenMAC = True
+    # tlslite-ng 0.8 sends its TLS 1.3 client Certificate compressed (RFC 8879)
+    # even to a server that offered no compression (OpenSSL 3.0 answers
+    # unexpected_message): never compress, never offer it.
+    settings.certificate_compression_send = []
+    settings.certificate_compression_receive = []
     return settings
 
 
@@ -126,7 +141,11 @@ class SignerTlsStream(trio.abc.Stream):
         self._sock = sock
         self._broken = False
         self._closed = False
-        self._lock = threading.Lock()
+
+    @property
+    def version(self) -> tuple[int, int]:
+        """The negotiated protocol version: (3, 4) is TLS 1.3, (3, 3) TLS 1.2."""
+        return tuple(self._conn.version)
 
     async def _run(self, fn: Callable[[], _T]) -> _T:
         if self._closed:
@@ -144,10 +163,8 @@ class SignerTlsStream(trio.abc.Stream):
 
     def _break(self) -> None:
         self._broken = True
-        try:
+        with contextlib.suppress(OSError):
             self._sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         payload = bytes(data)

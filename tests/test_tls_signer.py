@@ -1,0 +1,311 @@
+"""bcd.tls_signer: pinned mutual TLS whose client key signs through a callback.
+
+Against the real gateway TLS setup (control.http.serve with
+control.pki.server_ssl_context and the node CA as client CA): a software key's
+callback, then the node key in swtpm through ``bcd helper``.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shutil
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pytest
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_dss_signature
+
+from bcd import pki
+from bcd.errors import PeerVerificationError, TransportError
+from bcd.httpclient import open_lines, request
+from bcd.tls_signer import SignDigest, connect_with_signer, request_with_signer
+from control import http
+from control.pki import Pki, issue_node_leaf, make_gateway_cert, server_ssl_context
+from tests.swtpm import SwTpm
+
+NAME = "gw.test"
+
+
+def _p1363(key: ec.EllipticCurvePrivateKey, digest: bytes) -> bytes:
+    r, s = decode_dss_signature(key.sign(digest, ec.ECDSA(Prehashed(hashes.SHA256()))))
+    return r.to_bytes(32, "big") + s.to_bytes(32, "big")
+
+
+@dataclass
+class Signer:
+    """A software key's signing callback that records the digests it signed."""
+
+    key: ec.EllipticCurvePrivateKey = field(default_factory=pki.generate_key)
+    digests: list[bytes] = field(default_factory=list)
+    threads: list[str] = field(default_factory=list)
+
+    def __call__(self, digest: bytes) -> bytes:
+        self.digests.append(digest)
+        self.threads.append(threading.current_thread().name)
+        return _p1363(self.key, digest)
+
+
+@dataclass
+class Gateway:
+    """The gateway's TLS front door on loopback, with a handler that reports the peer."""
+
+    port: int
+    pin: str
+    node_chain: Callable[[ec.EllipticCurvePublicKey], str]
+    peers: list[bytes | None] = field(default_factory=list)
+
+
+async def _lines() -> AsyncIterator[bytes]:
+    for n in range(3):
+        yield json.dumps({"n": n}).encode() + b"\n"
+        await trio.sleep(0.01)
+
+
+async def _handler(gateway: list[Gateway], req: http.Request) -> http.Response:
+    gateway[0].peers.append(req.peer_cert_der)
+    if req.path == "/lines":
+        return http.Response(200, stream=_lines())
+    return http.json_response(200, {"path": req.path, "body": req.body.decode()})
+
+
+async def _gateway(nursery: trio.Nursery, memory_pki: Pki, *, tls12_only: bool = False) -> Gateway:
+    now = datetime.now(UTC)
+    gw_key = pki.generate_key()
+    gw_cert = make_gateway_cert(memory_pki, gw_key.public_key(), NAME, now)
+    ctx = server_ssl_context(
+        pki.cert_pem(gw_cert) + pki.cert_pem(memory_pki.serving_ca),
+        gw_key,
+        client_ca_pem=memory_pki.chain_tail_pem(),
+    )
+    if tls12_only:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    holder: list[Gateway] = []
+    port = await nursery.start(
+        functools.partial(
+            http.serve, functools.partial(_handler, holder), "127.0.0.1", 0, ssl_context=ctx
+        )
+    )
+
+    def node_chain(public_key: ec.EllipticCurvePublicKey) -> str:
+        spiffe = pki.SpiffeId("td.example", "site_" + "a" * 26, "node_" + "b" * 26)
+        leaf = issue_node_leaf(memory_pki, public_key, spiffe, "node", (), now, 3600)
+        return pki.cert_pem(leaf) + memory_pki.chain_tail_pem()
+
+    gateway = Gateway(port, memory_pki.pins()["serving_ca_spki_pin"], node_chain)
+    holder.append(gateway)
+    return gateway
+
+
+@pytest.fixture
+def sockdir() -> Iterator[Path]:
+    """A directory for bcd helper's socket (pytest's temp paths are too long)."""
+    path = Path(tempfile.mkdtemp(prefix="bcd-tls-", dir="/tmp"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
+async def gateway(nursery: trio.Nursery, memory_pki: Pki) -> Gateway:
+    return await _gateway(nursery, memory_pki)
+
+
+def _leaf_der(chain_pem: str) -> bytes:
+    return pki.load_pem_chain(chain_pem)[0].public_bytes(serialization.Encoding.DER)
+
+
+async def test_request_with_a_callback_key_over_tls13(gateway: Gateway) -> None:
+    signer = Signer()
+    chain = gateway.node_chain(signer.key.public_key())
+    resp = await request_with_signer(
+        "127.0.0.1",
+        gateway.port,
+        NAME,
+        gateway.pin,
+        chain,
+        signer.key.public_key(),
+        signer,
+        "POST",
+        "/v1/renew",
+        b'{"a": 1}',
+    )
+    assert resp.status == 200
+    assert json.loads(resp.body) == {"path": "/v1/renew", "body": '{"a": 1}'}
+    assert gateway.peers == [_leaf_der(chain)]  # the gateway verified our certificate
+    assert len(signer.digests) == 1
+    assert len(signer.digests[0]) == 32
+    assert signer.threads[0] != threading.main_thread().name
+
+
+async def test_tls13_is_negotiated_and_the_stream_is_reused(gateway: Gateway) -> None:
+    signer = Signer()
+    chain = gateway.node_chain(signer.key.public_key())
+    stream = await connect_with_signer(
+        "127.0.0.1", gateway.port, NAME, gateway.pin, chain, signer.key.public_key(), signer
+    )
+    async with stream:
+        assert stream.version == (3, 4)
+        for n in range(2):
+            resp = await request(stream, "POST", f"/{n}", NAME, b"{}")
+            assert resp.status == 200
+    assert len(signer.digests) == 1
+
+
+async def test_tls12_client_auth_works_too(nursery: trio.Nursery, memory_pki: Pki) -> None:
+    gateway = await _gateway(nursery, memory_pki, tls12_only=True)
+    signer = Signer()
+    chain = gateway.node_chain(signer.key.public_key())
+    stream = await connect_with_signer(
+        "127.0.0.1", gateway.port, NAME, gateway.pin, chain, signer.key.public_key(), signer
+    )
+    async with stream:
+        assert stream.version == (3, 3)
+        assert (await request(stream, "GET", "/x", NAME)).status == 200
+    assert gateway.peers == [_leaf_der(chain)]
+    assert len(signer.digests) == 1
+
+
+async def test_lines_stream_through_open_lines(gateway: Gateway) -> None:
+    signer = Signer()
+    chain = gateway.node_chain(signer.key.public_key())
+    stream = await connect_with_signer(
+        "127.0.0.1", gateway.port, NAME, gateway.pin, chain, signer.key.public_key(), signer
+    )
+    async with stream:
+        status, _headers, lines = await open_lines(stream, "POST", "/lines", NAME, b"{}")
+        assert status == 200
+        got = [json.loads(line) async for line in lines]
+    assert got == [{"n": 0}, {"n": 1}, {"n": 2}]
+
+
+async def test_an_idle_stream_times_out_and_breaks(gateway: Gateway) -> None:
+    signer = Signer()
+    chain = gateway.node_chain(signer.key.public_key())
+    stream = await connect_with_signer(
+        "127.0.0.1", gateway.port, NAME, gateway.pin, chain, signer.key.public_key(), signer
+    )
+    async with stream:
+        with trio.move_on_after(0.2) as scope:
+            await stream.receive_some()  # the gateway sends nothing unasked
+        assert scope.cancelled_caught
+        with pytest.raises(trio.BrokenResourceError):
+            await stream.send_all(b"GET / HTTP/1.1\r\n\r\n")
+
+
+async def test_another_pin_is_refused_before_the_node_key_signs(gateway: Gateway) -> None:
+    signer = Signer()
+    chain = gateway.node_chain(signer.key.public_key())
+    other = pki.spki_pin(pki.generate_key().public_key())
+    with pytest.raises(PeerVerificationError, match="pinned serving CA"):
+        await request_with_signer(
+            "127.0.0.1",
+            gateway.port,
+            NAME,
+            other,
+            chain,
+            signer.key.public_key(),
+            signer,
+            "GET",
+            "/",
+        )
+    with pytest.raises(PeerVerificationError, match=r"not valid for gw\.other"):
+        await connect_with_signer(
+            "127.0.0.1",
+            gateway.port,
+            "gw.other",
+            gateway.pin,
+            chain,
+            signer.key.public_key(),
+            signer,
+        )
+    assert signer.digests == []
+    assert gateway.peers == []
+
+
+async def test_a_wrong_signature_fails_the_handshake(gateway: Gateway) -> None:
+    signer = Signer()
+    chain = gateway.node_chain(signer.key.public_key())
+    other = Signer()  # signs with another key than the certificate's
+    with pytest.raises(TransportError, match="TLS handshake"):
+        await connect_with_signer(
+            "127.0.0.1", gateway.port, NAME, gateway.pin, chain, signer.key.public_key(), other
+        )
+
+    def broken(digest: bytes) -> bytes:
+        return b"\x00" * 10
+
+    with pytest.raises(TransportError, match="TLS handshake"):
+        await connect_with_signer(
+            "127.0.0.1", gateway.port, NAME, gateway.pin, chain, signer.key.public_key(), broken
+        )
+    assert gateway.peers == []
+
+
+async def test_unreachable_gateway(memory_pki: Pki) -> None:
+    signer = Signer()
+    with trio.socket.socket() as sock:
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(TransportError, match="cannot reach the gateway"):
+        await connect_with_signer(
+            "127.0.0.1",
+            port,
+            NAME,
+            memory_pki.pins()["serving_ca_spki_pin"],
+            "",
+            signer.key.public_key(),
+            signer,
+        )
+
+
+# --- the node key in swtpm, through bcd helper ------------------------------------------
+
+
+async def test_the_helper_signs_the_handshake_with_the_tpm_key(
+    swtpm: SwTpm, gateway: Gateway, sockdir: Path
+) -> None:
+    from bcd.tpm.record import create_node_key_record
+    from tests.test_helper import _settings, running
+
+    async with running(_settings(swtpm, sockdir)) as client:
+        record = create_node_key_record()
+        key = await client.nodekey(record)
+        record = record.pinned(key.public_key)
+        signed: list[bytes] = []
+
+        def sign(digest: bytes) -> bytes:  # in the handshake's worker thread
+            signature = trio.from_thread.run(client.sign, record, key, digest)
+            signed.append(signature)
+            return signature
+
+        helper_sign: SignDigest = sign
+        chain = gateway.node_chain(key.public_key)
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            stream = await connect_with_signer(
+                "127.0.0.1", gateway.port, NAME, gateway.pin, chain, key.public_key, helper_sign
+            )
+            times.append(time.perf_counter() - start)
+            async with stream:
+                assert stream.version == (3, 4)
+                assert (await request(stream, "POST", "/v1/session", NAME, b"{}")).status == 200
+        await client.release(record)
+    assert len(signed) == 3
+    assert gateway.peers == [_leaf_der(chain)] * 3
+    leaf = x509.load_der_x509_certificate(_leaf_der(chain))
+    assert pki.same_public_key(leaf.public_key(), key.public_key)  # type: ignore[arg-type]
+    print(f"handshake with the TPM key: {[f'{t * 1000:.0f} ms' for t in times]}")
