@@ -24,7 +24,7 @@ from bcd.config import Config, gateway_host_port
 from bcd.errors import BcdError, JoinError, PeerVerificationError, RetryableError, TransportError
 from bcd.httpclient import request
 from bcd.identity import Identity, KeyKind, make_identity
-from bcd.plugins import NodeJoinContext, Plugins, wire_name
+from bcd.plugins import NodeEvidence, NodeJoinContext, Plugins, wire_name
 from bcd.tls import connect_pinned
 
 log = logging.getLogger("bcd.join")
@@ -261,7 +261,14 @@ async def join(
             node_key_record=record,
         )
 
+    built: list[NodeEvidence] = []
+
     def make_body() -> bytes:
+        # A challenge round presents the evidence of round 0 again (the challenge is
+        # bound to it, and rebuilding it costs TPM work); round 0 builds it anew on
+        # every attempt, so a sealed token's iat stays fresh across retries.
+        if rnd > 0 and built:
+            return _request_body(built[0])
         try:
             evidence = plugins.node_evidence(attestor, context())
         except BcdError:
@@ -273,6 +280,10 @@ async def join(
             ) from exc
         if evidence is None:
             raise JoinError(f"no attestor plugin named {attestor!r} is loaded")
+        built[:] = [evidence]
+        return _request_body(evidence)
+
+    def _request_body(evidence: NodeEvidence) -> bytes:
         req = wire.JoinRequest(
             role=role,
             attestor=wire_name(attestor),
