@@ -64,9 +64,8 @@ TPM_KEY_MISMATCH = (
     f"the node key does not match the node certificate; {KEY_MISMATCH_MESSAGE}; {WAY_BACK}"
 )
 TPM_NODE_UNSUPPORTED = (
-    "this identity's key is held in the TPM, and bcd node cannot use a TPM-held key yet "
-    "(mutual TLS with a TPM key is an open design question, see docs/decisions.md); "
-    "to run bcd node, join again with a join token: bcd join --reset --yes, then bcd join"
+    "this identity's key is held in the TPM, and bcd node uses it only through bcd helper: "
+    "add a [helper] table to config.toml and run bcd helper as root"
 )
 NOT_JOINED = "this node has not joined; run: bcd join"
 
@@ -380,6 +379,9 @@ class LoadedTpmState:
         return _utc(now) >= self.leaf_info.not_after
 
 
+AnyState = LoadedState | LoadedTpmState
+"""A loaded identity: a file key, or a key the TPM holds."""
+
 Derive = Callable[[NodeKeyRecord], ec.EllipticCurvePublicKey]
 """Maps node.key's TPM record to the public key the TPM derives from it (opening the
 TPM: only root may); raises :class:`~bcd.tpm.TpmKeyMismatch` or TpmError."""
@@ -422,6 +424,7 @@ def load_state(data_dir: Path, derive: Derive | None = None) -> LoadedState | Lo
     if identity.key == "tpm":
         if derive is None:
             raise IdentityError(TPM_NODE_UNSUPPORTED)
+        _settle_next_key(data_dir, leaf_key)
         record, public_key = _derive_tpm_key(data_dir, leaf_key, derive)
         return LoadedTpmState(data_dir, identity, record, public_key, leaf, info)
     next_key = _settle_next_key(data_dir, leaf_key)
@@ -470,10 +473,7 @@ def _settle_next_key(data_dir: Path, leaf_key: ec.EllipticCurvePublicKey) -> Nex
         raw = _read_regular(next_path, MAX_KEY_BYTES)
         if raw is None:
             return "none"
-        try:
-            certified = pki.same_public_key(load_key_pem(raw).public_key(), leaf_key)
-        except IdentityError:
-            certified = False
+        certified = _certified_next(raw, leaf_key)
         if certified:
             os.rename(next_path, data_dir / NODE_KEY_FILE)
             fs.fsync_dir(data_dir)
@@ -484,6 +484,23 @@ def _settle_next_key(data_dir: Path, leaf_key: ec.EllipticCurvePublicKey) -> Nex
         raise IdentityError(
             f"cannot settle {next_path}: {exc.strerror or exc}; {WAY_BACK}"
         ) from exc
+
+
+def _certified_next(raw: bytes, leaf_key: ec.EllipticCurvePublicKey) -> bool:
+    """Whether node.key.next holds the leaf's key: a file key, or a TPM record pinned to it.
+
+    A record is promoted on its pin alone; the TPM derives it (and is checked) at load.
+    """
+    if raw.lstrip().startswith(b"{"):
+        try:
+            pin = NodeKeyRecord.from_json(raw).pin
+        except TpmError:
+            return False
+        return pin is not None and pki.pins_equal(pin, pki.spki_pin(leaf_key))
+    try:
+        return pki.same_public_key(load_key_pem(raw).public_key(), leaf_key)
+    except IdentityError:
+        return False
 
 
 def _load_node_key(data_dir: Path) -> ec.EllipticCurvePrivateKey:

@@ -27,7 +27,9 @@ import trio
 from bcd import failpoints
 from bcd.config import Config
 from bcd.errors import CertificateRevoked, IdentityError
-from bcd.identity import LoadedState, load_state
+from bcd.helper.client import HelperClient
+from bcd.helper.nodekeys import HelperKeys
+from bcd.identity import AnyState, load_state
 from bcd.journal import Journal, open_journal
 from bcd.renew import FAIL_POINTS, gateway_renew_sender, renewal_task
 from bcd.session import SessionInfo, session_task
@@ -42,12 +44,12 @@ EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug ended a task
 
 @dataclass
 class StateHolder:
-    state: LoadedState
+    state: AnyState
 
-    def get(self) -> LoadedState:
+    def get(self) -> AnyState:
         return self.state
 
-    def set(self, state: LoadedState) -> None:
+    def set(self, state: AnyState) -> None:
         self.state = state
 
 
@@ -58,9 +60,20 @@ def boot_id(root: Path = Path("/")) -> str:
         return ""
 
 
-def load_identity(cfg: Config, now: datetime) -> LoadedState:
-    """LoadState for an agent mode: not joined or expired are errors with the way back."""
-    state = load_state(cfg.data_dir)
+def helper_keys(cfg: Config) -> HelperKeys | None:
+    """Under ``[helper]``, the node's TPM-held keys through ``bcd helper``'s socket."""
+    if cfg.helper is None:
+        return None
+    return HelperKeys(HelperClient(cfg.helper.socket))
+
+
+def load_identity(cfg: Config, now: datetime, tpm: HelperKeys | None = None) -> AnyState:
+    """LoadState for an agent mode: not joined or expired are errors with the way back.
+
+    With ``tpm`` (``[helper]``), a TPM-held key is derived through ``bcd helper``; call
+    this in ``trio.to_thread.run_sync`` then (the derive calls back into trio).
+    """
+    state = load_state(cfg.data_dir) if tpm is None else load_state(cfg.data_dir, tpm.derive_sync)
     if state is None:
         raise IdentityError("this node has not joined; run as root: bcd join")
     if state.expired(now):
@@ -74,7 +87,8 @@ def load_identity(cfg: Config, now: datetime) -> LoadedState:
 async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> None:
     """Run the agent until a signal (returns) or a revocation (raises CertificateRevoked)."""
     now = datetime.fromtimestamp(wall(), UTC)
-    state = await trio.to_thread.run_sync(load_identity, cfg, now)
+    tpm = helper_keys(cfg)
+    state = await trio.to_thread.run_sync(load_identity, cfg, now, tpm)
     journal: Journal = await trio.to_thread.run_sync(open_journal, cfg.data_dir, now)
     holder = StateHolder(state)
     info = SessionInfo(journal_id=journal.journal_id, boot_id=boot_id())
@@ -91,7 +105,7 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
         return await trio.to_thread.run_sync(journal.append, kind, payload)
 
     try:
-        await _supervise(cfg, holder, info, wall, record)
+        await _supervise(cfg, holder, info, wall, record, tpm)
     finally:
         await trio.to_thread.run_sync(journal.close)
 
@@ -102,21 +116,23 @@ async def _supervise(
     info: SessionInfo,
     wall: Callable[[], float],
     record: Callable[[str, dict[str, Any]], Awaitable[object]],
+    tpm: HelperKeys | None = None,
 ) -> None:
     try:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_signals, nursery.cancel_scope)
-            nursery.start_soon(session_task, cfg, holder.get, info)
+            nursery.start_soon(lambda: session_task(cfg, holder.get, info, tpm=tpm))
             nursery.start_soon(
                 lambda: renewal_task(
                     holder.get,
                     holder.set,
-                    lambda s: gateway_renew_sender(cfg, s),
+                    lambda s: gateway_renew_sender(cfg, s, tpm),
                     signing_pin=cfg.join_signing_key_pin,
                     wall=wall,
                     log=logging.getLogger("bcd.renew"),
                     record=record,
                     fail_point=failpoints.from_environment(FAIL_POINTS),
+                    tpm=tpm,
                 )
             )
     except* CertificateRevoked as group:

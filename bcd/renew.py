@@ -1,7 +1,8 @@
 """The renewal task (seed 003, "Renewal"): a new key and certificate at 60 % of the leaf.
 
-:func:`renew_once` is the seed's renewOnce for a file key (the TPM parts come with
-the TPM issue):
+:func:`renew_once` is the seed's renewOnce for a file key (a TPM-held key renews
+through ``bcd helper`` with :func:`renew_once_tpm`, attaching the AK's
+``key_attestation`` when the leaf names an AK):
 
 1. a new P-256 key;
 2. node.key.next written first, then the request: a new CSR, the current chain,
@@ -25,24 +26,31 @@ clock (certificate times), so tests run it under ``MockClock``.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar, overload
 
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki, wire
-from bcd.config import Config, gateway_host_port
+from bcd.config import Config
 from bcd.errors import BcdError, CertificateRevoked, IdentityError, JoinError, RetryableError
+from bcd.helper import HelperError
+from bcd.helper.nodekeys import HelperKeys
 from bcd.httpclient import Response, request
 from bcd.identity import (
     RENEWAL_STEPS,
+    TPM_NODE_UNSUPPORTED,
+    AnyState,
     Identity,
+    KeyKind,
     LoadedState,
+    LoadedTpmState,
     format_time,
     load_state,
     make_identity,
@@ -51,7 +59,9 @@ from bcd.identity import (
 )
 from bcd.join import check_issued, verify_signed
 from bcd.keys.file import generate_file_key, key_to_pem
-from bcd.tls import connect_pinned
+from bcd.session import open_gateway
+from bcd.tpm.attestation import KeyAttestation, ak_statement, ak_statements
+from bcd.tpm.record import NodeKeyRecord, create_node_key_record
 
 RENEW_FRACTION = 0.6
 BACKOFF_FIRST_S = 30.0
@@ -71,9 +81,10 @@ REVOKED = (
 EXPIRED_HINT = "the certificate has expired; join again: bcd join --reset --yes, then bcd join"
 
 Sender = Callable[[bytes], Awaitable[str]]
-SenderFactory = Callable[[LoadedState], Sender]
+SenderFactory = Callable[[AnyState], Sender]
 Recorder = Callable[[str, dict[str, Any]], Awaitable[object]]
 FailPoint = Callable[[str], None]
+_S = TypeVar("_S", LoadedState, LoadedTpmState, AnyState)
 # The storage steps of a renewal, in order: node.key.next written first (before the
 # request), then store_renewal's steps (node.key.next again, identity.json, rename).
 FAIL_POINTS = ("next-key-first", *RENEWAL_STEPS)
@@ -155,7 +166,7 @@ def verify_renewed(
     return body
 
 
-def renewed_identity(state: LoadedState, body: dict[str, Any]) -> Identity:
+def renewed_identity(state: AnyState, body: dict[str, Any], key: KeyKind = "file") -> Identity:
     """The Identity of a verified ``renewed`` body.
 
     Trust version, bundle and server time come from the answer when it carries them,
@@ -174,7 +185,7 @@ def renewed_identity(state: LoadedState, body: dict[str, Any]) -> Identity:
         bundle=bundle if isinstance(bundle, str) and bundle else current.bundle,
         trust_version=_count_or(trust_version, current.trust_version),
         server_time=server_time,
-        key="file",
+        key=key,
         identity_generation=_count_or(generation, current.identity_generation),
     )
 
@@ -188,6 +199,7 @@ def _count_or(value: object, default: int) -> int:
 # --- renewOnce --------------------------------------------------------------------
 
 
+@overload
 async def renew_once(
     state: LoadedState,
     send: Sender,
@@ -195,14 +207,45 @@ async def renew_once(
     signing_pin: str,
     wall: Callable[[], float],
     fail_point: FailPoint | None = None,
-) -> LoadedState:
+    tpm: HelperKeys | None = None,
+) -> LoadedState: ...
+
+
+@overload
+async def renew_once(
+    state: AnyState,
+    send: Sender,
+    *,
+    signing_pin: str,
+    wall: Callable[[], float],
+    fail_point: FailPoint | None = None,
+    tpm: HelperKeys | None = None,
+) -> AnyState: ...
+
+
+async def renew_once(
+    state: AnyState,
+    send: Sender,
+    *,
+    signing_pin: str,
+    wall: Callable[[], float],
+    fail_point: FailPoint | None = None,
+    tpm: HelperKeys | None = None,
+) -> AnyState:
     """Renew once (the seed's renewOnce); return the new state, stored on disk.
 
     Raises :class:`~bcd.errors.BcdError` when the renewal failed; the identity on
     disk is then still ``state``'s (a stale node.key.next is removed by the next
     load, or overwritten by the next attempt). ``fail_point`` (tests only) is called
-    with each name of :data:`FAIL_POINTS` once that storage step is on disk.
+    with each name of :data:`FAIL_POINTS` once that storage step is on disk. A
+    TPM-held key renews through ``bcd helper`` (``tpm``, :func:`renew_once_tpm`).
     """
+    if isinstance(state, LoadedTpmState):
+        if tpm is None:
+            raise IdentityError(TPM_NODE_UNSUPPORTED)
+        return await renew_once_tpm(
+            state, send, tpm, signing_pin=signing_pin, wall=wall, fail_point=fail_point
+        )
     next_key = generate_file_key()
     next_pem = key_to_pem(next_key)
     await trio.to_thread.run_sync(write_next_key, state.data_dir, next_pem)
@@ -237,9 +280,117 @@ async def renew_once(
     )
 
 
-def _reload(data_dir: Path) -> LoadedState | None:
+AK_MISMATCH = "the TPM derives another AK than the certificate names"
+
+
+async def renew_once_tpm(
+    state: LoadedTpmState,
+    send: Sender,
+    tpm: HelperKeys,
+    *,
+    signing_pin: str,
+    wall: Callable[[], float],
+    fail_point: FailPoint | None = None,
+) -> LoadedTpmState:
+    """renewOnce for a TPM-held key, through ``bcd helper`` (seed 003, "Renewal" 1-5).
+
+    1. For a leaf naming an AK (``urn:bc:tpm-ak:``) the helper's AK must be that AK,
+       checked before anything is written or sent (no downgrade: the renewal fails,
+       and keeps failing); the next key is made in the TPM (a new record, derived
+       through the helper and pinned).
+    2. node.key.next (the record) is written first; the CSR is signed by the next
+       key, the proof of possession by the current key (both through the helper).
+    3. For a leaf naming an AK: ``key_attestation``, the AK's TPM2_Certify of the next
+       key over sha256(csr).
+    4. The answer is checked like a file key's; 5. stored in the same order.
+
+    Any helper failure (not running, no TPM, an answer failing the node's checks)
+    fails the renewal before the request is sent.
+    """
     try:
-        return load_state(data_dir)
+        return await _renew_tpm(state, send, tpm, signing_pin, wall, fail_point)
+    except HelperError as exc:
+        raise JoinError(f"the renewal failed before anything was sent: {exc}") from exc
+
+
+async def _renew_tpm(
+    state: LoadedTpmState,
+    send: Sender,
+    tpm: HelperKeys,
+    signing_pin: str,
+    wall: Callable[[], float],
+    fail_point: FailPoint | None,
+) -> LoadedTpmState:
+    named = ak_statements(state.leaf_info.statements)
+    ak = None
+    if named:
+        ak = await tpm.client.ak()
+        if ak_statement(ak.name) not in named:
+            raise JoinError(f"the renewal failed before anything was sent: {AK_MISMATCH}")
+    fresh = create_node_key_record()
+    next_public = await tpm.client.nodekey(fresh)
+    next_record = fresh.pinned(next_public.public_key)
+    next_json = next_record.to_json()
+    await trio.to_thread.run_sync(write_next_key, state.data_dir, next_json)
+    if fail_point is not None:
+        fail_point(FAIL_POINTS[0])
+    # the helper signs digests: the CSR's and the proof's SHA-256
+    csr_der = await trio.to_thread.run_sync(
+        pki.make_csr_with, next_public.public_key, tpm.signer(next_record)
+    )
+    client_time_ms = int(wall() * 1000)
+    message = pki.renew_pop_message(csr_der, state.identity.node_id, client_time_ms)
+    pop_sig = await tpm.sign(state.record, hashlib.sha256(message).digest())
+    attestation = None
+    if ak is not None:
+        certified = await tpm.client.certify(
+            next_record, next_public, hashlib.sha256(csr_der).digest(), ak
+        )
+        attestation = KeyAttestation(
+            ak.public_area, next_public.public_area, certified.attest, certified.signature
+        ).to_json()
+    req = wire.RenewRequest(
+        csr_der=csr_der,
+        chain=state.identity.chain,
+        client_time_ms=client_time_ms,
+        pop_sig=pop_sig,
+        key_attestation=attestation,
+    )
+    signed = await send(wire.dumps(req.to_json()))
+    body = verify_renewed(
+        signed,
+        signing_pin=signing_pin,
+        csr_der=csr_der,
+        key=next_public.public_key,
+        current=state.leaf_info,
+    )
+    identity = renewed_identity(state, body, "tpm")
+    try:
+        await trio.to_thread.run_sync(
+            store_renewal, state.data_dir, identity, next_json, fail_point
+        )
+    except IdentityError:
+        settled = await trio.to_thread.run_sync(_reload, state.data_dir, tpm)
+        if isinstance(settled, LoadedTpmState) and settled.identity == identity:
+            return settled
+        raise
+    leaf = identity.leaf()
+    return LoadedTpmState(
+        data_dir=state.data_dir,
+        identity=identity,
+        record=next_record,
+        public_key=next_public.public_key,
+        leaf=leaf,
+        leaf_info=pki.leaf_info(leaf),
+    )
+
+
+def _reload(data_dir: Path, tpm: HelperKeys | None = None) -> AnyState | None:
+    """LoadState from a worker thread (a TPM key derived through the helper)."""
+    try:
+        if tpm is None:
+            return load_state(data_dir)
+        return load_state(data_dir, tpm.derive_sync)
     except BcdError:
         return None
 
@@ -271,19 +422,16 @@ def renew_answer(resp: Response) -> str:
     raise JoinError(f"the renewal failed: {err.code}: {err.message}")
 
 
-def gateway_renew_sender(cfg: Config, state: LoadedState) -> Sender:
+def gateway_renew_sender(cfg: Config, state: AnyState, tpm: HelperKeys | None = None) -> Sender:
     """POST /v1/renew over mutual TLS pinned to the serving CA, as ``state``'s identity.
 
-    The client certificate is ``state``'s chain and key: build a new sender from the
-    new state after a renewal (:func:`renewal_task` does, per attempt).
+    The client certificate is ``state``'s chain and key (a TPM-held key signs the
+    handshake through ``bcd helper``, ``tpm``): build a new sender from the new state
+    after a renewal (:func:`renewal_task` does, per attempt).
     """
-    host, port = gateway_host_port(cfg)
-    client_cert = (state.identity.chain, key_to_pem(state.key))
 
     async def send(body: bytes) -> str:
-        stream = await connect_pinned(
-            host, port, cfg.server_name, cfg.serving_ca_spki_pin, client_cert=client_cert
-        )
+        stream = await open_gateway(cfg, state, tpm)
         try:
             resp = await request(
                 stream,
@@ -303,6 +451,14 @@ def gateway_renew_sender(cfg: Config, state: LoadedState) -> Sender:
 # --- the old key ------------------------------------------------------------------
 
 
+HeldKey = ec.EllipticCurvePrivateKey | NodeKeyRecord
+"""A replaced node key: a file key, or the TPM record it is derived from."""
+
+
+def held_key(state: AnyState) -> HeldKey:
+    return state.record if isinstance(state, LoadedTpmState) else state.key
+
+
 class OldKeys:
     """Node keys a renewal replaced, each held ``hold_s`` seconds (trio clock), then dropped.
 
@@ -314,19 +470,19 @@ class OldKeys:
     def __init__(
         self,
         hold_s: float = OLD_KEY_HOLD_S,
-        on_unload: Callable[[ec.EllipticCurvePrivateKey], None] | None = None,
+        on_unload: Callable[[HeldKey], None] | None = None,
     ) -> None:
         self.hold_s = hold_s
         self._on_unload = on_unload
-        self._held: list[tuple[float, ec.EllipticCurvePrivateKey]] = []
+        self._held: list[tuple[float, HeldKey]] = []
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def keys(self) -> tuple[ec.EllipticCurvePrivateKey, ...]:
+    def keys(self) -> tuple[HeldKey, ...]:
         return tuple(key for _, key in self._held)
 
-    def retire(self, key: ec.EllipticCurvePrivateKey, now: float) -> None:
+    def retire(self, key: HeldKey, now: float) -> None:
         """Hold ``key`` until ``now + hold_s`` (trio time)."""
         self._held.append((now + self.hold_s, key))
 
@@ -362,9 +518,9 @@ async def _pause(seconds: float, old_keys: OldKeys, log: logging.Logger) -> None
 
 
 async def renewal_task(
-    get_state: Callable[[], LoadedState],
-    set_state: Callable[[LoadedState], None],
-    send_factory: SenderFactory,
+    get_state: Callable[[], _S],
+    set_state: Callable[[_S], None],
+    send_factory: Callable[[_S], Sender],
     *,
     signing_pin: str,
     wall: Callable[[], float],
@@ -373,6 +529,7 @@ async def renewal_task(
     record: Recorder | None = None,
     fraction: float = RENEW_FRACTION,
     fail_point: FailPoint | None = None,
+    tpm: HelperKeys | None = None,
 ) -> NoReturn:
     """Keep the identity fresh forever; only :class:`~bcd.errors.CertificateRevoked` ends it.
 
@@ -385,7 +542,8 @@ async def renewal_task(
     Any exception that is not a :class:`~bcd.errors.BcdError` is a bug and ends the
     task too. After a storage failure the data directory is settled the way a start
     would (:func:`bcd.identity.load_state`) and a newer certificate of this node
-    found there is adopted. ``fail_point`` is passed to :func:`renew_once`.
+    found there is adopted. ``fail_point`` and ``tpm`` (``bcd helper``, for a TPM-held
+    key) are passed to :func:`renew_once`.
     """
     keys = old_keys if old_keys is not None else OldKeys()
     attempt = 0
@@ -399,25 +557,30 @@ async def renewal_task(
                 continue
         attempt += 1
         try:
-            new = await renew_once(
+            # a renewal keeps the kind of key (a file key stays a file, a TPM key a TPM key)
+            renewed: Any = await renew_once(
                 state,
                 send_factory(state),
                 signing_pin=signing_pin,
                 wall=wall,
                 fail_point=fail_point,
+                tpm=tpm,
             )
+            new: _S = renewed
         except CertificateRevoked:
             raise
         except BcdError as exc:
             wait = _failed(state, exc, attempt, wall, log)
-            if isinstance(exc, IdentityError) and await _adopt_disk_state(state, set_state, log):
-                keys.retire(state.key, trio.current_time())
+            if isinstance(exc, IdentityError) and await _adopt_disk_state(
+                state, set_state, log, tpm
+            ):
+                keys.retire(held_key(state), trio.current_time())
                 attempt = 0
                 continue
             await _pause(wait, keys, log)
             continue
         set_state(new)
-        keys.retire(state.key, trio.current_time())
+        keys.retire(held_key(state), trio.current_time())
         attempt = 0
         log.info(
             "renewed: certificate %s valid until %s",
@@ -429,7 +592,7 @@ async def renewal_task(
 
 
 def _failed(
-    state: LoadedState,
+    state: AnyState,
     exc: BcdError,
     attempt: int,
     wall: Callable[[], float],
@@ -451,16 +614,20 @@ def _failed(
 
 
 async def _adopt_disk_state(
-    state: LoadedState, set_state: Callable[[LoadedState], None], log: logging.Logger
+    state: _S,
+    set_state: Callable[[_S], None],
+    log: logging.Logger,
+    tpm: HelperKeys | None = None,
 ) -> bool:
     """After a storage failure, go on with what the data directory holds (settled).
 
     Only a newer certificate of this same node is adopted; anything else on disk is
     left for the next start to judge.
     """
-    on_disk = await trio.to_thread.run_sync(_reload, state.data_dir)
+    on_disk = await trio.to_thread.run_sync(_reload, state.data_dir, tpm)
     if (
         on_disk is not None
+        and type(on_disk) is type(state)
         and on_disk.identity != state.identity
         and on_disk.identity.spiffe_id == state.identity.spiffe_id
         and on_disk.identity.role == state.identity.role
@@ -469,14 +636,13 @@ async def _adopt_disk_state(
             "the renewed certificate was stored after all; using it (valid until %s)",
             on_disk.identity.not_after,
         )
-        set_state(on_disk)
+        adopted: Any = on_disk  # the same kind of state: checked above
+        set_state(adopted)
         return True
     return False
 
 
-async def _record(
-    record: Recorder, old: LoadedState, new: LoadedState, log: logging.Logger
-) -> None:
+async def _record(record: Recorder, old: AnyState, new: AnyState, log: logging.Logger) -> None:
     try:
         await record(
             "renewed",

@@ -23,10 +23,13 @@ import trio
 from bcd import __version__, wire
 from bcd.config import Config, gateway_host_port
 from bcd.errors import CertificateRevoked, TransportError
+from bcd.helper import HelperError
+from bcd.helper.nodekeys import HelperKeys
 from bcd.httpclient import open_lines
-from bcd.identity import LoadedState
+from bcd.identity import AnyState, LoadedTpmState
 from bcd.keys.file import key_to_pem
 from bcd.tls import connect_pinned
+from bcd.tls_signer import connect_with_signer
 
 log = logging.getLogger("bcd.session")
 
@@ -41,13 +44,38 @@ class SessionInfo:
     boot_id: str
 
 
-async def _one_session(cfg: Config, state: LoadedState, info: SessionInfo) -> bool:
-    """Run one session until it breaks; return whether a welcome arrived."""
+async def open_gateway(
+    cfg: Config, state: AnyState, tpm: HelperKeys | None = None
+) -> trio.abc.Stream:
+    """Mutual TLS to the gateway with the state's key, pinned to the serving CA.
+
+    A file key goes through :func:`bcd.tls.connect_pinned`; a TPM-held key signs the
+    handshake through ``bcd helper`` (:func:`bcd.tls_signer.connect_with_signer`).
+    """
     host, port = gateway_host_port(cfg)
+    if isinstance(state, LoadedTpmState):
+        if tpm is None:
+            raise TransportError("a TPM-held node key needs bcd helper ([helper] in config.toml)")
+        return await connect_with_signer(
+            host,
+            port,
+            cfg.server_name,
+            cfg.serving_ca_spki_pin,
+            state.identity.chain,
+            state.public_key,
+            tpm.signer(state.record),
+        )
     client_cert = (state.identity.chain, key_to_pem(state.key))
-    stream = await connect_pinned(
+    return await connect_pinned(
         host, port, cfg.server_name, cfg.serving_ca_spki_pin, client_cert=client_cert
     )
+
+
+async def _one_session(
+    cfg: Config, state: AnyState, info: SessionInfo, tpm: HelperKeys | None = None
+) -> bool:
+    """Run one session until it breaks; return whether a welcome arrived."""
+    stream = await open_gateway(cfg, state, tpm)
     hello = wire.Hello(
         node_id=state.identity.node_id,
         journal_id=info.journal_id,
@@ -99,20 +127,21 @@ async def _one_session(cfg: Config, state: LoadedState, info: SessionInfo) -> bo
 
 async def session_task(
     cfg: Config,
-    get_state: Callable[[], LoadedState],
+    get_state: Callable[[], AnyState],
     info: SessionInfo,
     *,
     rng: random.Random | None = None,
+    tpm: HelperKeys | None = None,
 ) -> None:
     """Keep a session open until the certificate is revoked (raises CertificateRevoked)."""
     rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
     delay = BACKOFF_FIRST_S
     while True:
         try:
-            if await _one_session(cfg, get_state(), info):
+            if await _one_session(cfg, get_state(), info, tpm):
                 delay = BACKOFF_FIRST_S
             reason = "the gateway closed the session"
-        except TransportError as exc:
+        except (TransportError, HelperError) as exc:
             reason = str(exc)
         wait = delay * (0.5 + rng.random() / 2)
         log.warning("session lost (%s); reconnecting in %.1f s", reason, wait)

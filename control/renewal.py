@@ -57,7 +57,6 @@ CLOCK_SKEW_MS = 60_000
 REPLAY_WINDOW_MS = 120_000
 RENEWALS_PER_HOUR = 6
 RATE_WINDOW_MS = 3_600_000
-TPM_AK_STATEMENT = "urn:bc:tpm-ak:"
 # How far a revocation poller should look back behind its previous poll: revoked_at
 # is the revoking transaction's start, so a slow transaction can commit a
 # revocation stamped before one already seen (see revoked_since).

@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterator
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -17,7 +22,7 @@ from bcd.tpm.device import open_tpm
 from bcd.tpm.record import NodeKeyRecord
 from control import tenancy
 from control.store import open_store
-from tests.e2e import ControlPlane, Node
+from tests.e2e import BIN, ControlPlane, Node, cli_env
 from tests.swtpm import SwTpm
 
 pytestmark = pytest.mark.e2e
@@ -29,7 +34,9 @@ JOINED = re.compile(
 REFUSED_LINE = "bcd: the control plane refused the join (ACCESS_DENIED: Join refused)\n"
 
 
-def _start(tmp_path: Path, pki_template: Path, ek_ca: Path) -> tuple[ControlPlane, str, str]:
+def _start(
+    tmp_path: Path, pki_template: Path, ek_ca: Path, extra: Sequence[str] = ()
+) -> tuple[ControlPlane, str, str]:
     db_url = f"sqlite:///{tmp_path / 'store.db'}"
     store = open_store(db_url)
     store.migrate()
@@ -41,7 +48,10 @@ def _start(tmp_path: Path, pki_template: Path, ek_ca: Path) -> tuple[ControlPlan
     home = tmp_path / "cp"
     home.mkdir()
     cp = ControlPlane.start(
-        home, pki_template, db_url, extra_args=["--tpm-ek-ca", str(ek_ca), "--tpm-pool", pool]
+        home,
+        pki_template,
+        db_url,
+        extra_args=["--tpm-ek-ca", str(ek_ca), "--tpm-pool", pool, *extra],
     )
     return cp, str(site), str(pool)
 
@@ -278,3 +288,132 @@ def test_tpm_mode_required_without_a_tpm_fails_before_sending(
     # the token is still good: the same machine joins with it once the TPM is off
     node.config.write_text(node.config.read_text().replace('"required"', '"off"'))
     assert node.join(token["token"]).returncode == 0
+
+
+# --- bcd node with a TPM-held key, through bcd helper -------------------------------------
+
+
+def _start_helper(node: Node) -> subprocess.Popen[str]:
+    """`bcd helper` as root (this test runs as root), serving the config's [helper] socket."""
+    from bcd.config import load_config
+
+    cfg = load_config(node.config)
+    assert cfg.helper is not None
+    proc = subprocess.Popen(
+        [str(BIN / "bcd"), "helper", "--config", str(node.config)],
+        env=cli_env(node.root, secret=False),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    deadline = time.monotonic() + 20
+    while not cfg.helper.socket.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"bcd helper exited: {proc.communicate()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("bcd helper did not create its socket")
+        time.sleep(0.05)
+    return proc
+
+
+def _stop(proc: subprocess.Popen[str]) -> str:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    _out, err = proc.communicate()
+    return err
+
+
+def _leaf(node: Node) -> pki.LeafInfo:
+    ident = json.loads((node.data_dir / "identity.json").read_text())
+    return pki.leaf_info(pki.load_pem_chain(ident["chain"])[0])
+
+
+def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm(
+    tmp_path: Path, pki_template: Path, own_swtpm: SwTpm
+) -> None:
+    """A tpm join under [helper], then `bcd node` (as root here: the venv's interpreter
+    lives under /root, which an unprivileged user cannot reach) renews its TPM key with
+    the AK's attestation through a real `bcd helper` on the test's own swtpm; once that
+    swtpm is cleared, `bcd node` does not load."""
+    swtpm = own_swtpm
+    cp, site, _pool = _start(tmp_path, pki_template, swtpm.ca_bundle, ["--cert-ttl-seconds", "10"])
+    sockdir = Path(tempfile.mkdtemp(prefix="bcd-helper-", dir="/tmp"))
+    helper: subprocess.Popen[str] | None = None
+    agent: subprocess.Popen[str] | None = None
+    try:
+        node = _tpm_node(tmp_path / "node", cp, site, swtpm)
+        with node.config.open("a") as f:
+            f.write(
+                f'[helper]\nuser = "root"\nsocket = "{sockdir / "run" / "helper.sock"}"\n'
+                f'hostconfig_dir = "{tmp_path / "hostconfig"}"\n'
+            )
+        # swtpm serves one connection at a time: the join opens the TPM itself (root),
+        # then the helper holds it
+        done = node.join(None, "--attestor", "tpm")
+        assert done.returncode == 0, done.stderr
+        node_id = JOINED.match(done.stdout.strip()).group(1)  # type: ignore[union-attr]
+        first = _leaf(node)
+        (statement,) = first.statements
+        assert statement.startswith("urn:bc:tpm-ak:sha256:")
+        first_record = NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes())
+
+        helper = _start_helper(node)
+        agent = subprocess.Popen(
+            [str(BIN / "bcd"), "node", "--config", str(node.config)],
+            env=cli_env(node.root, secret=False),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 30
+        while _leaf(node).serial_hex == first.serial_hex:
+            if agent.poll() is not None:
+                raise AssertionError(f"bcd node exited: {agent.communicate()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no renewal: {_stop(agent)}")
+            time.sleep(0.1)
+        # the new leaf still names the AK; node.key is the next record, pinned to it
+        renewed = _leaf(node)
+        assert renewed.statements == (statement,)
+        ident = json.loads((node.data_dir / "identity.json").read_text())
+        assert ident["key"] == "tpm"
+        record = NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes())
+        assert record.unique != first_record.unique
+        leaf_key = pki.load_pem_chain(ident["chain"])[0].public_key()
+        assert record.pin == pki.spki_pin(leaf_key)  # type: ignore[arg-type]
+        assert not (node.data_dir / "node.key.next").exists()
+        with cp.store.tx() as tx:
+            certs = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
+        assert len(certs) >= 2
+        assert cp.events(type_="security.renew.refused") == []
+        assert agent.poll() is None
+        err = _stop(agent)
+        agent = None
+        assert "renewed: certificate" in err, err
+        assert "session open" in err, err  # the session's TLS signs through the helper too
+        assert "Traceback" not in err
+
+        # a cleared TPM derives another key from node.key: bcd node does not load
+        _stop(helper)
+        helper = None
+        swtpm.clear()
+        helper = _start_helper(node)
+        cleared = node.bcd("node")
+        assert cleared.returncode == 1, cleared.stderr
+        assert cleared.stderr.strip().endswith(f"agent: {TPM_KEY_MISMATCH}")
+        assert "the TPM derives another key from node.key (was the TPM cleared?)" in cleared.stderr
+        with cp.store.tx() as tx:
+            after = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
+        assert len(after) == len(certs)
+    finally:
+        if agent is not None:
+            _stop(agent)
+        if helper is not None:
+            _stop(helper)
+        cp.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)

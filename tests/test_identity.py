@@ -393,7 +393,7 @@ def test_tpm_identity_is_refused_clearly(tmp_path: Path, ca: CertAuthority) -> N
     with pytest.raises(IdentityError) as info:
         load_state(tmp_path)
     assert str(info.value) == TPM_NODE_UNSUPPORTED
-    assert "bcd node cannot use a TPM-held key" in str(info.value)
+    assert "bcd node uses it only through bcd helper" in str(info.value)
 
 
 def test_tpm_identity_loads_when_the_tpm_derives_its_key(tmp_path: Path, ca: CertAuthority) -> None:
