@@ -222,19 +222,18 @@ def _tpm_node_key(cfg: Config) -> HeldKey:
 def _node_key(cfg: Config, attestor: str) -> tuple[ec.EllipticCurvePrivateKey | HeldKey, bytes]:
     """Join step 1: the node key and what node.key will hold.
 
-    A tpm join makes it in the TPM. Otherwise ``[tpm] mode`` decides: ``off`` and
-    ``auto`` a file key; ``required`` a key in the TPM at ``[tpm] tcti``, or a
-    JoinError before anything is sent.
-
-    ``auto`` is meant to use the TPM whenever one is usable (the seed), but ``bcd
-    node`` cannot yet present a TPM-held key in mutual TLS (docs/decisions.md): until
-    it can, ``auto`` keeps file keys so that a default install is a working node.
+    A tpm join makes it in the TPM. Otherwise ``[tpm] mode`` decides: ``off`` a file
+    key; ``required`` a key in the TPM at ``[tpm] tcti``, or a JoinError before
+    anything is sent; ``auto`` a key in the TPM when one is usable there AND
+    ``[helper]`` is configured, else a file key. ``bcd node`` uses a TPM-held key only
+    through ``bcd helper`` (it never opens the TPM), so without ``[helper]`` a TPM key
+    would make a node that cannot run: ``auto`` then keeps a file key.
     """
     if attestor == TPM_ATTESTOR:
         held = _tpm_node_key(cfg)
         return held, NodeKeyRecord.from_dict(held.record).to_json()
     mode, tcti = cfg.tpm.mode, cfg.tpm.tcti
-    if mode == "required":
+    if mode == "required" or (mode == "auto" and cfg.helper is not None):
         from bcd.tpm import TpmError
         from bcd.tpm.device import missing_device
 

@@ -238,8 +238,28 @@ def test_a_token_join_with_tpm_required_makes_the_node_key_in_the_tpm(
     assert again.stdout.strip() == f"already joined as {node_id} (site {site}, role node)"
 
 
+def test_tpm_mode_auto_under_helper_makes_the_node_key_in_the_tpm(
+    sqlite_control_plane: ControlPlane, tmp_path: Path, swtpm: SwTpm
+) -> None:
+    """With [helper], bcd node can use a TPM key through bcd helper: auto uses the TPM."""
+    cp = sqlite_control_plane
+    site, pool = cp.site_and_pool()
+    helper = (
+        f'[helper]\nuser = "root"\nsocket = "{tmp_path / "run" / "helper.sock"}"\n'
+        f'hostconfig_dir = "{tmp_path / "hostconfig"}"\n'
+    )
+    node = _token_node(
+        tmp_path / "node", cp, site, f'{helper}\n[tpm]\nmode = "auto"\ntcti = "{swtpm.tcti}"\n'
+    )
+    done = node.join(cp.token(pool)["token"])
+    assert done.returncode == 0, done.stderr
+    assert json.loads((node.data_dir / "identity.json").read_text())["key"] == "tpm"
+    assert NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes()).pin is not None
+    assert (tmp_path / "hostconfig" / "join-response.jws").exists()
+
+
 @pytest.mark.parametrize("mode", ["off", "auto"])
-def test_tpm_mode_off_and_auto_keep_a_file_key_while_bcd_node_needs_one(
+def test_tpm_mode_off_and_auto_without_helper_keep_a_file_key(
     sqlite_control_plane: ControlPlane, tmp_path: Path, swtpm: SwTpm, mode: str
 ) -> None:
     cp = sqlite_control_plane
