@@ -37,18 +37,22 @@ node.key.next left by an interrupted renewal, exactly as the agent would at star
 
 from __future__ import annotations
 
+import functools
 import grp
 import json
 import os
 import pwd
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
+import trio
+
 from bcd.config import Config, load_config
-from bcd.errors import ConfigError, IdentityError
-from bcd.identity import NOT_JOINED, load_state
+from bcd.errors import BcdError, ConfigError
+from bcd.identity import NOT_JOINED, AnyState, load_state
 
 if TYPE_CHECKING:
     from bcd.plugins import Plugins
@@ -76,14 +80,37 @@ def run_checks(config_path: Path, now: datetime) -> list[Check]:
             Check("config", "fail", str(exc)),
             Check("identity", "fail", NO_CONFIG_FOR_IDENTITY),
         ]
-    return [Check("config", "ok", str(config_path)), check_identity(cfg.data_dir, now)]
+    return [
+        Check("config", "ok", str(config_path)),
+        check_identity(cfg.data_dir, now, _loader(cfg)),
+    ]
 
 
-def check_identity(data_dir: Path, now: datetime) -> Check:
+def _loader(cfg: Config) -> Callable[[Path], AnyState | None]:
+    """LoadState as ``bcd node`` does it: under ``[helper]`` a TPM key is derived there."""
+    if cfg.helper is None:
+        return load_state
+    from bcd.helper.client import HelperClient
+    from bcd.helper.nodekeys import HelperKeys
+
+    keys = HelperKeys(HelperClient(cfg.helper.socket))
+
+    def load(data_dir: Path) -> AnyState | None:
+        work = functools.partial(load_state, data_dir, keys.derive_sync)
+        return trio.run(trio.to_thread.run_sync, work)
+
+    return load
+
+
+def check_identity(
+    data_dir: Path,
+    now: datetime,
+    load: Callable[[Path], AnyState | None] = load_state,
+) -> Check:
     """The identity check alone, for a data directory."""
     try:
-        state = load_state(data_dir)
-    except IdentityError as exc:
+        state = load(data_dir)
+    except BcdError as exc:  # IdentityError, or the helper failing to derive the key
         return Check("identity", "fail", str(exc))
     if state is None:
         return Check("identity", "warn", NOT_JOINED)

@@ -15,8 +15,9 @@ every refusal is the same ``ACCESS_DENIED`` / ``Renew refused`` to the caller):
    under the presented leaf's key (``pop-invalid``);
 6. from here the caller proved the current key, so the refusal event goes to the
    node's tenant: the CSR parses and holds a P-256 key (``csr-invalid``); a leaf
-   naming a TPM AK needs ``key_attestation`` (``key-attestation-missing``), which
-   this reference cannot verify yet (``key-attestation-ak``);
+   naming a TPM AK needs ``key_attestation`` (``key-attestation-missing``): that
+   AK's TPM2_Certify of the new key over sha256(csr) (bcd.tpm.attestation:
+   ``key-attestation-ak``, ``node-key-*``), refused, never downgraded;
 7. at most 6 renewals per node and hour (``RESOURCE_EXHAUSTED`` with
    ``retry-pushback-ms``; not a refusal), then the new leaf: same node, site,
    role, identity generation, allowed kinds and ``urn:bc:`` statements, all read

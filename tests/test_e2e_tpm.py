@@ -417,6 +417,9 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         assert "renewed: certificate" in err, err
         assert "session open" in err, err  # the session's TLS signs through the helper too
         assert "Traceback" not in err
+        doctor = node.bcd("doctor", "--json")  # the identity loads through the helper
+        checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+        assert checks["identity"]["status"] == "ok", checks["identity"]
 
         # a cleared TPM derives another key from node.key: bcd node does not load
         _stop(helper)
@@ -427,6 +430,9 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         assert cleared.returncode == 1, cleared.stderr
         assert cleared.stderr.strip().endswith(f"agent: {TPM_KEY_MISMATCH}")
         assert "the TPM derives another key from node.key (was the TPM cleared?)" in cleared.stderr
+        doctor = node.bcd("doctor")
+        assert doctor.returncode == 1
+        assert "was the TPM cleared?" in doctor.stdout
         with cp.store.tx() as tx:
             after = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
         assert len(after) == len(certs)
