@@ -30,7 +30,6 @@ Refusal reasons: ``not-configured``, ``evidence-malformed``, ``ek-unknown``,
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 import hmac
 import secrets
@@ -75,16 +74,13 @@ _MAX_FIELD = 8192
 
 
 class _Malformed(ValueError):
-    pass
+    """Evidence or an answer that does not parse."""
 
 
 def _b64(obj: dict[str, Any], name: str, limit: int = _MAX_FIELD) -> bytes:
-    value = obj.get(name)
-    if not isinstance(value, str) or len(value) > limit:
-        raise _Malformed(name)
     try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
+        return wire.b64_field(obj, name, limit)
+    except wire.WireError as exc:
         raise _Malformed(name) from exc
 
 

@@ -67,6 +67,17 @@ def _str(
     return value
 
 
+def b64_field(obj: dict[str, Any], key: str, limit: int = 8192) -> bytes:
+    """The bytes of a standard-base64 string field of at most ``limit`` characters."""
+    value = obj.get(key)
+    if not isinstance(value, str) or len(value) > limit:
+        raise WireError(f"{key} must be a base64 string")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise WireError(f"{key} must be a base64 string") from exc
+
+
 def _str_list(obj: dict[str, Any], key: str) -> tuple[str, ...]:
     value = obj.get(key, [])
     if value is None:

@@ -11,14 +11,12 @@ refuses (never downgrades) when it is missing or fails, with one of the reasons
 from __future__ import annotations
 
 import base64
-import binascii
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from bcd import pki
+from bcd import pki, wire
 from bcd.tpm import TpmError
 from bcd.tpm.structures import HASHES, name_of, parse_name
 from bcd.tpm.templates import check_ak_public, check_node_key_public
@@ -62,28 +60,18 @@ class AttestationRefused(Exception):
         self.reason = reason
 
 
-def _field(obj: dict[str, Any], name: str) -> bytes:
-    value = obj.get(name)
-    if not isinstance(value, str) or len(value) > _MAX_FIELD:
-        raise ValueError(name)
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise ValueError(name) from exc
-
-
 def parse_key_attestation(obj: object) -> KeyAttestation:
     """Parse the wire form; raise AttestationRefused(node-key-malformed) on bad input."""
     if not isinstance(obj, dict):
         raise AttestationRefused("node-key-malformed")
     try:
         return KeyAttestation(
-            ak_public=_field(obj, "ak_public"),
-            key_public=_field(obj, "key_public"),
-            certify_attest=_field(obj, "certify_attest"),
-            certify_sig=_field(obj, "certify_sig"),
+            ak_public=wire.b64_field(obj, "ak_public", _MAX_FIELD),
+            key_public=wire.b64_field(obj, "key_public", _MAX_FIELD),
+            certify_attest=wire.b64_field(obj, "certify_attest", _MAX_FIELD),
+            certify_sig=wire.b64_field(obj, "certify_sig", _MAX_FIELD),
         )
-    except ValueError:
+    except wire.WireError:
         raise AttestationRefused("node-key-malformed") from None
 
 
