@@ -133,6 +133,7 @@ async def _supervise(
                     record=record,
                     fail_point=failpoints.from_environment(FAIL_POINTS),
                     tpm=tpm,
+                    tpm_mode=cfg.tpm.mode,
                 )
             )
     except* CertificateRevoked as group:

@@ -2,7 +2,8 @@
 
 :func:`renew_once` is the seed's renewOnce for a file key (a TPM-held key renews
 through ``bcd helper`` with :func:`renew_once_tpm`, attaching the AK's
-``key_attestation`` when the leaf names an AK):
+``key_attestation`` when the leaf names an AK; a file key moves into the TPM at a
+renewal under ``[helper]`` with ``[tpm] mode`` auto or required):
 
 1. a new P-256 key;
 2. node.key.next written first, then the request: a new CSR, the current chain,
@@ -30,15 +31,16 @@ import hashlib
 import logging
 import math
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar, overload
+from typing import Any, NoReturn
 
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki, wire
-from bcd.config import Config
+from bcd.config import Config, TpmMode
 from bcd.errors import BcdError, CertificateRevoked, IdentityError, JoinError, RetryableError
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
@@ -80,11 +82,12 @@ REVOKED = (
 )
 EXPIRED_HINT = "the certificate has expired; join again: bcd join --reset --yes, then bcd join"
 
+_LOG = logging.getLogger("bcd.renew")
+
 Sender = Callable[[bytes], Awaitable[str]]
 SenderFactory = Callable[[AnyState], Sender]
 Recorder = Callable[[str, dict[str, Any]], Awaitable[object]]
 FailPoint = Callable[[str], None]
-_S = TypeVar("_S", LoadedState, LoadedTpmState, AnyState)
 # The storage steps of a renewal, in order: node.key.next written first (before the
 # request), then store_renewal's steps (node.key.next again, identity.json, rename).
 FAIL_POINTS = ("next-key-first", *RENEWAL_STEPS)
@@ -199,19 +202,6 @@ def _count_or(value: object, default: int) -> int:
 # --- renewOnce --------------------------------------------------------------------
 
 
-@overload
-async def renew_once(
-    state: LoadedState,
-    send: Sender,
-    *,
-    signing_pin: str,
-    wall: Callable[[], float],
-    fail_point: FailPoint | None = None,
-    tpm: HelperKeys | None = None,
-) -> LoadedState: ...
-
-
-@overload
 async def renew_once(
     state: AnyState,
     send: Sender,
@@ -220,17 +210,8 @@ async def renew_once(
     wall: Callable[[], float],
     fail_point: FailPoint | None = None,
     tpm: HelperKeys | None = None,
-) -> AnyState: ...
-
-
-async def renew_once(
-    state: AnyState,
-    send: Sender,
-    *,
-    signing_pin: str,
-    wall: Callable[[], float],
-    fail_point: FailPoint | None = None,
-    tpm: HelperKeys | None = None,
+    tpm_mode: TpmMode = "off",
+    log: logging.Logger = _LOG,
 ) -> AnyState:
     """Renew once (the seed's renewOnce); return the new state, stored on disk.
 
@@ -239,6 +220,17 @@ async def renew_once(
     load, or overwritten by the next attempt). ``fail_point`` (tests only) is called
     with each name of :data:`FAIL_POINTS` once that storage step is on disk. A
     TPM-held key renews through ``bcd helper`` (``tpm``, :func:`renew_once_tpm`).
+
+    A file key moves into the TPM here (seed 003, "Renewal" step 1) when ``bcd
+    helper`` serves the node (``tpm``) and ``tpm_mode`` (``[tpm] mode``) is ``auto``
+    or ``required``: the next key is made in the TPM through the helper, the CSR is
+    signed by it, the proof of possession still by the current file key (over the
+    file key's TLS), with no ``key_attestation`` (a file-key leaf names no AK); the
+    new state is a :class:`~bcd.identity.LoadedTpmState` (identity key ``tpm``).
+    When the helper cannot make or use that key (no TPM, not reachable, an answer
+    failing the node's checks), ``auto`` renews this once with a file key (logged as
+    a warning) and ``required`` fails the renewal before anything is sent. ``off``,
+    or no helper (``bcd node`` never opens the TPM itself), keeps a file key.
     """
     if isinstance(state, LoadedTpmState):
         if tpm is None:
@@ -246,6 +238,22 @@ async def renew_once(
         return await renew_once_tpm(
             state, send, tpm, signing_pin=signing_pin, wall=wall, fail_point=fail_point
         )
+    if tpm is not None and tpm_mode != "off":
+        try:
+            prepared = await _prepare_tpm(state, tpm, wall, fail_point)
+        except HelperError as exc:
+            if tpm_mode == "required":
+                raise JoinError(
+                    "the renewal failed before anything was sent: [tpm] mode = required, "
+                    f"but the TPM cannot be used through bcd helper ({exc})"
+                ) from exc
+            log.warning(
+                "renewal: the next node key is a file key, not in the TPM: %s",
+                exc,
+                extra={"tpmMode": tpm_mode},
+            )
+        else:
+            return await _finish_tpm(state, send, tpm, prepared, signing_pin, fail_point)
     next_key = generate_file_key()
     next_pem = key_to_pem(next_key)
     await trio.to_thread.run_sync(write_next_key, state.data_dir, next_pem)
@@ -321,6 +329,32 @@ async def _renew_tpm(
     wall: Callable[[], float],
     fail_point: FailPoint | None,
 ) -> LoadedTpmState:
+    prepared = await _prepare_tpm(state, tpm, wall, fail_point)
+    return await _finish_tpm(state, send, tpm, prepared, signing_pin, fail_point)
+
+
+@dataclass(frozen=True, slots=True)
+class _TpmRenewal:
+    """A renewal whose next key is in the TPM, ready to send (node.key.next written)."""
+
+    request: wire.RenewRequest
+    record: NodeKeyRecord
+    public_key: ec.EllipticCurvePublicKey
+    record_json: bytes
+
+
+async def _prepare_tpm(
+    state: AnyState,
+    tpm: HelperKeys,
+    wall: Callable[[], float],
+    fail_point: FailPoint | None,
+) -> _TpmRenewal:
+    """Steps 1-3 with the next key in the TPM; every helper call happens here, before
+    anything is sent (a HelperError leaves at most a stale node.key.next).
+
+    The proof of possession is the current key's: through the helper for a TPM-held
+    key, the file key itself for a file-key node moving into the TPM.
+    """
     named = ak_statements(state.leaf_info.statements)
     ak = None
     if named:
@@ -340,7 +374,10 @@ async def _renew_tpm(
     )
     client_time_ms = int(wall() * 1000)
     message = pki.renew_pop_message(csr_der, state.identity.node_id, client_time_ms)
-    pop_sig = await tpm.sign(state.record, hashlib.sha256(message).digest())
+    if isinstance(state, LoadedTpmState):
+        pop_sig = await tpm.sign(state.record, hashlib.sha256(message).digest())
+    else:
+        pop_sig = pki.sign_p1363(state.key, message)
     attestation = None
     if ak is not None:
         certified = await tpm.client.certify(
@@ -356,18 +393,31 @@ async def _renew_tpm(
         pop_sig=pop_sig,
         key_attestation=attestation,
     )
+    return _TpmRenewal(req, next_record, next_public.public_key, next_json)
+
+
+async def _finish_tpm(
+    state: AnyState,
+    send: Sender,
+    tpm: HelperKeys,
+    prepared: _TpmRenewal,
+    signing_pin: str,
+    fail_point: FailPoint | None,
+) -> LoadedTpmState:
+    """Steps 4-5 for a next key in the TPM: send, check the answer, store (key ``tpm``)."""
+    req = prepared.request
     signed = await send(wire.dumps(req.to_json()))
     body = verify_renewed(
         signed,
         signing_pin=signing_pin,
-        csr_der=csr_der,
-        key=next_public.public_key,
+        csr_der=req.csr_der,
+        key=prepared.public_key,
         current=state.leaf_info,
     )
     identity = renewed_identity(state, body, "tpm")
     try:
         await trio.to_thread.run_sync(
-            store_renewal, state.data_dir, identity, next_json, fail_point
+            store_renewal, state.data_dir, identity, prepared.record_json, fail_point
         )
     except IdentityError:
         settled = await trio.to_thread.run_sync(_reload, state.data_dir, tpm)
@@ -378,8 +428,8 @@ async def _renew_tpm(
     return LoadedTpmState(
         data_dir=state.data_dir,
         identity=identity,
-        record=next_record,
-        public_key=next_public.public_key,
+        record=prepared.record,
+        public_key=prepared.public_key,
         leaf=leaf,
         leaf_info=pki.leaf_info(leaf),
     )
@@ -518,9 +568,9 @@ async def _pause(seconds: float, old_keys: OldKeys, log: logging.Logger) -> None
 
 
 async def renewal_task(
-    get_state: Callable[[], _S],
-    set_state: Callable[[_S], None],
-    send_factory: Callable[[_S], Sender],
+    get_state: Callable[[], AnyState],
+    set_state: Callable[[AnyState], None],
+    send_factory: SenderFactory,
     *,
     signing_pin: str,
     wall: Callable[[], float],
@@ -530,6 +580,7 @@ async def renewal_task(
     fraction: float = RENEW_FRACTION,
     fail_point: FailPoint | None = None,
     tpm: HelperKeys | None = None,
+    tpm_mode: TpmMode = "off",
 ) -> NoReturn:
     """Keep the identity fresh forever; only :class:`~bcd.errors.CertificateRevoked` ends it.
 
@@ -542,8 +593,12 @@ async def renewal_task(
     Any exception that is not a :class:`~bcd.errors.BcdError` is a bug and ends the
     task too. After a storage failure the data directory is settled the way a start
     would (:func:`bcd.identity.load_state`) and a newer certificate of this node
-    found there is adopted. ``fail_point`` and ``tpm`` (``bcd helper``, for a TPM-held
-    key) are passed to :func:`renew_once`.
+    found there is adopted. ``fail_point``, ``tpm`` (``bcd helper``, for a TPM-held
+    key) and ``tpm_mode`` (``[tpm] mode``: whether a file key moves into the TPM) are
+    passed to :func:`renew_once`. The kind of key can change at a renewal (a file key
+    moving into the TPM): ``set_state`` then gets a
+    :class:`~bcd.identity.LoadedTpmState`, and the next sender and session are built
+    from it.
     """
     keys = old_keys if old_keys is not None else OldKeys()
     attempt = 0
@@ -557,16 +612,17 @@ async def renewal_task(
                 continue
         attempt += 1
         try:
-            # a renewal keeps the kind of key (a file key stays a file, a TPM key a TPM key)
-            renewed: Any = await renew_once(
+            # a TPM key stays a TPM key; a file key may move into the TPM (tpm_mode)
+            new = await renew_once(
                 state,
                 send_factory(state),
                 signing_pin=signing_pin,
                 wall=wall,
                 fail_point=fail_point,
                 tpm=tpm,
+                tpm_mode=tpm_mode,
+                log=log,
             )
-            new: _S = renewed
         except CertificateRevoked:
             raise
         except BcdError as exc:
@@ -614,8 +670,8 @@ def _failed(
 
 
 async def _adopt_disk_state(
-    state: _S,
-    set_state: Callable[[_S], None],
+    state: AnyState,
+    set_state: Callable[[AnyState], None],
     log: logging.Logger,
     tpm: HelperKeys | None = None,
 ) -> bool:
@@ -627,7 +683,8 @@ async def _adopt_disk_state(
     on_disk = await trio.to_thread.run_sync(_reload, state.data_dir, tpm)
     if (
         on_disk is not None
-        and type(on_disk) is type(state)
+        # a file key may have moved into the TPM; a TPM key never goes back to a file
+        and not (isinstance(state, LoadedTpmState) and isinstance(on_disk, LoadedState))
         and on_disk.identity != state.identity
         and on_disk.identity.spiffe_id == state.identity.spiffe_id
         and on_disk.identity.role == state.identity.role
@@ -636,8 +693,7 @@ async def _adopt_disk_state(
             "the renewed certificate was stored after all; using it (valid until %s)",
             on_disk.identity.not_after,
         )
-        adopted: Any = on_disk  # the same kind of state: checked above
-        set_state(adopted)
+        set_state(on_disk)
         return True
     return False
 

@@ -121,3 +121,18 @@ def swtpm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
             yield tpm
         finally:
             tpm.stop()
+
+
+@pytest.fixture(scope="session")
+def unprivileged_venv():  # type: ignore[no-untyped-def]
+    """A venv under /var/tmp that an unprivileged user can run, with bcd installed
+    (without tpm2-pytss); see :mod:`tests.unprivileged`. Removed after the session."""
+    from tests.unprivileged import make_unprivileged_venv
+
+    if os.geteuid() != 0:
+        pytest.skip("running bcd as another user needs root")
+    venv = make_unprivileged_venv()
+    try:
+        yield venv
+    finally:
+        venv.remove()

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -391,7 +391,11 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
             text=True,
         )
         deadline = time.monotonic() + 30
-        while _leaf(node).serial_hex == first.serial_hex:
+        # storage writes identity.json, then renames node.key.next over node.key: wait
+        # for both steps before reading them
+        while _leaf(node).serial_hex == first.serial_hex or (
+            (node.data_dir / "node.key.next").exists()
+        ):
             if agent.poll() is not None:
                 raise AssertionError(f"bcd node exited: {agent.communicate()}")
             if time.monotonic() > deadline:
@@ -436,6 +440,113 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         with cp.store.tx() as tx:
             after = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
         assert len(after) == len(certs)
+    finally:
+        if agent is not None:
+            _stop(agent)
+        if helper is not None:
+            _stop(helper)
+        cp.stop()
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
+    tmp_path: Path, pki_template: Path, own_swtpm: SwTpm
+) -> None:
+    """A token join with a file key ([tpm] mode = off then), then [tpm] mode = auto under
+    [helper]: `bcd node`'s next renewal makes the next key in the TPM through a real
+    `bcd helper` (the proof by the file key, over the file key's TLS), and the node
+    renews from then on as a TPM node."""
+    swtpm = own_swtpm
+    home = tmp_path / "cp"
+    home.mkdir()
+    cp = ControlPlane.start(
+        home,
+        pki_template,
+        f"sqlite:///{tmp_path / 'store.db'}",
+        extra_args=["--cert-ttl-seconds", "10"],
+    )
+    sockdir = Path(tempfile.mkdtemp(prefix="bcd-helper-", dir="/tmp"))
+    helper: subprocess.Popen[str] | None = None
+    agent: subprocess.Popen[str] | None = None
+    try:
+        site, pool = cp.site_and_pool()
+        node = _token_node(
+            tmp_path / "node",
+            cp,
+            site,
+            f'[helper]\nuser = "root"\nsocket = "{sockdir / "run" / "helper.sock"}"\n'
+            f'hostconfig_dir = "{tmp_path / "hostconfig"}"\n\n'
+            f'[tpm]\nmode = "off"\ntcti = "{swtpm.tcti}"\n',
+        )
+        done = node.join(cp.token(pool)["token"])
+        assert done.returncode == 0, done.stderr
+        node_id = JOINED.match(done.stdout.strip()).group(1)  # type: ignore[union-attr]
+        assert json.loads((node.data_dir / "identity.json").read_text())["key"] == "file"
+        first = _leaf(node)
+        assert first.statements == ()
+
+        node.config.write_text(node.config.read_text().replace('mode = "off"', 'mode = "auto"'))
+        helper = _start_helper(node)
+        agent = subprocess.Popen(
+            [str(BIN / "bcd"), "node", "--config", str(node.config)],
+            env=cli_env(node.root, secret=False),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+
+        def wait_for(done: Callable[[], bool], what: str) -> None:
+            deadline = time.monotonic() + 40
+            while not done():
+                assert agent is not None
+                if agent.poll() is not None:
+                    raise AssertionError(f"bcd node exited: {agent.communicate()}")
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{what}: {_stop(agent)}")
+                time.sleep(0.1)
+
+        def tpm_record_after(serial: str) -> NodeKeyRecord | None:
+            """node.key's record once a TPM leaf other than ``serial`` is fully stored
+            (identity.json is written before node.key.next is renamed over node.key)."""
+            ident = json.loads((node.data_dir / "identity.json").read_text())
+            leaf = pki.load_pem_chain(ident["chain"])[0]
+            if ident["key"] != "tpm" or pki.leaf_info(leaf).serial_hex == serial:
+                return None
+            raw = (node.data_dir / "node.key").read_bytes()
+            if not raw.startswith(b"{"):
+                return None
+            record = NodeKeyRecord.from_json(raw)
+            pinned = record.pin == pki.spki_pin(leaf.public_key())  # type: ignore[arg-type]
+            return record if pinned else None
+
+        wait_for(
+            lambda: tpm_record_after(first.serial_hex) is not None,
+            "the key did not move into the TPM",
+        )
+        moved = _leaf(node)
+        assert moved.statements == ()  # a token join's leaf names no AK, nor does its renewal
+        moved_record = tpm_record_after(first.serial_hex)
+        assert moved_record is not None
+
+        # and renews again, now as a TPM node (the proof and TLS through the helper)
+        wait_for(lambda: tpm_record_after(moved.serial_hex) is not None, "no renewal as a TPM node")
+        record = tpm_record_after(moved.serial_hex)
+        assert record is not None
+        assert record.unique != moved_record.unique
+        assert cp.events(type_="security.renew.refused") == []
+        with cp.store.tx() as tx:
+            certs = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
+        assert len(certs) >= 3
+        assert agent.poll() is None
+        err = _stop(agent)
+        agent = None
+        assert err.count("renewed: certificate") >= 2, err
+        assert "renewal failed" not in err, err
+        assert "not in the TPM" not in err, err
+        assert "Traceback" not in err, err
+        doctor = node.bcd("doctor", "--json")  # the identity loads through the helper
+        checks = {c["name"]: c for c in json.loads(doctor.stdout)["checks"]}
+        assert checks["identity"]["status"] == "ok", checks["identity"]
     finally:
         if agent is not None:
             _stop(agent)
