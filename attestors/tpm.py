@@ -22,6 +22,12 @@ the AK certifies the CSR's key over sha256(csr). Then it admits into the pool
 ``tpm``, and the EK's hash as the trusted hardware key (a machine joining again
 with the same EK and AK reclaims its node).
 
+With enrollment (``tpm.enrollment=true``), an EK that is on no allow-list and does
+not chain is not refused: the answer is a :class:`~bcd.plugins.Defer`, a join request
+keyed by the EK hash that a person approves or rejects. Once approved (for the CSR
+the request recorded), the retry gets the same challenge round, and its admission
+spends the approval (``join_request_id``) in the join transaction.
+
 Refusal reasons: ``not-configured``, ``evidence-malformed``, ``ek-unknown``,
 ``ek-chain``, ``pool-unknown``, ``role``, ``activation``, ``challenge-csr``,
 ``challenge-used``, ``challenge-expired``, ``certify``.
@@ -50,6 +56,7 @@ from bcd.errors import BcdError
 from bcd.plugins import (
     Admit,
     Challenge,
+    Defer,
     NodeEvidence,
     NodeJoinContext,
     Refuse,
@@ -69,6 +76,8 @@ SECRET_SIZE = 32
 SETTING_EK_CA = "tpm.ek_ca"
 SETTING_EK_ALLOW = "tpm.ek_allow"
 SETTING_POOL = "tpm.pool"
+SETTING_ENROLLMENT = "tpm.enrollment"
+PENDING_RETRY_S = 5
 ROLES = ("node",)
 _MAX_FIELD = 8192
 
@@ -227,7 +236,9 @@ def bcd_server_verify(
     if attestor != TPM:
         return None
     pool_id = ctx.settings.get(SETTING_POOL)
-    if not pool_id or not (ctx.settings.get(SETTING_EK_CA) or ctx.settings.get(SETTING_EK_ALLOW)):
+    enrollment = ctx.settings.get(SETTING_ENROLLMENT, "").strip().lower() in ("true", "1", "yes")
+    trust_configured = ctx.settings.get(SETTING_EK_CA) or ctx.settings.get(SETTING_EK_ALLOW)
+    if not pool_id or not (trust_configured or enrollment):
         return Refuse("not-configured")
     try:
         evidence = request.evidence
@@ -250,7 +261,18 @@ def bcd_server_verify(
             return Refuse("evidence-malformed")
         reason = _ek_trusted(ctx, ek_public, ek_certificate, ek_hash)
         if reason is not None:
-            return Refuse(reason)
+            if not enrollment:
+                return Refuse(reason)
+            approved = ctx.lookup_join_request(ek_hash)
+            if approved is None or not approved.usable:
+                macs = request.claims.macs
+                return Defer(
+                    machine_key=ek_hash,
+                    pool_id=pool_id,
+                    hardware_key=ek_hash,
+                    mac=macs[0] if macs else None,
+                    retry_after_s=PENDING_RETRY_S,
+                )
         from bcd.tpm.credential import make_credential
 
         secret = secrets.token_bytes(SECRET_SIZE)
@@ -311,6 +333,13 @@ def bcd_server_verify(
     pool = ctx.lookup_pool(pool_id)
     if pool is None:
         return Refuse("pool-unknown")
+    join_request_id = None
+    reason = _ek_trusted(ctx, ek_public, ek_certificate, ek_hash)
+    if reason is not None:
+        approved = ctx.lookup_join_request(ek_hash) if enrollment else None
+        if approved is None or not approved.usable:
+            return Refuse(reason if approved is None else "request-not-approved")
+        join_request_id = approved.request_id
     return Admit(
         tenant_id=pool.tenant_id,
         pool_id=pool.pool_id,
@@ -320,4 +349,5 @@ def bcd_server_verify(
         node_key="tpm",
         statements=(ak_statement(ak_name),),
         hardware_key=ek_hash,
+        join_request_id=join_request_id,
     )

@@ -132,6 +132,20 @@ class ChallengeRecord:
     used: bool
 
 
+@dataclass(frozen=True, slots=True)
+class JoinRequestRecord:
+    """A join request as the server half sees it: the machine's newest request for
+    this attestor that names the presented CSR (``join_requests``).
+
+    ``usable`` is true when it is approved, not consumed, and its approval has not
+    expired at ``compute_now()``: a retry with this CSR may then be admitted (once).
+    """
+
+    request_id: str
+    state: str
+    usable: bool
+
+
 class ServerJoinContext(Protocol):
     """What JoinService lends the server half, inside the join's one transaction."""
 
@@ -175,6 +189,13 @@ class ServerJoinContext(Protocol):
     def consume_challenge(self, challenge_id: str) -> None:
         """Mark the challenge used; undone if the join is refused later."""
 
+    def lookup_join_request(self, machine_key: str) -> JoinRequestRecord | None:
+        """The machine's newest join request for this attestor with the presented CSR.
+
+        An attestor with a challenge asks this before its round: an approved request
+        lets it go on (and its :class:`Admit` then names it in ``join_request_id``).
+        """
+
 
 @dataclass(frozen=True, slots=True)
 class Admit:
@@ -200,6 +221,10 @@ class Admit:
     TPM's EK public area), used instead of the one derived from the claims: it finds
     the node a machine reclaims. A reclaim with ``statements`` also needs the node's
     latest certificate to carry the same statements (the same AK)."""
+    join_request_id: str | None = None
+    """An approved join request this join spends: JoinService checks that it is
+    approved, unconsumed, unexpired and for the presented CSR, and consumes it in the
+    join transaction (else the join is refused ``request-not-approved``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -228,7 +253,35 @@ class Challenge:
     not_after_ms: int
 
 
-Verdict = Admit | Refuse | Challenge
+@dataclass(frozen=True, slots=True)
+class Defer:
+    """The server half wants a person to decide (a JoinPending).
+
+    JoinService looks up the machine's request with the presented CSR: a rejected one
+    refuses the join (``request-rejected``); an approved, unconsumed, unexpired one
+    admits it with ``admit`` (when given), consuming the approval in the join
+    transaction; else it records the request (or refreshes the machine's pending one
+    with this CSR) and answers a signed ``pending`` body. Nothing is issued and no
+    token is spent.
+
+    ``machine_key`` names the machine: the trusted hardware key or EK hash
+    (lowercase hex), else ``<site>|<mac>``. ``hardware_key``, ``mac``, ``ip``,
+    ``workflow_id``, ``vouched_by`` and ``boot_lease_epoch`` are what the attestor saw.
+    """
+
+    machine_key: str
+    pool_id: str
+    hardware_key: str | None = None
+    mac: str | None = None
+    ip: str | None = None
+    workflow_id: str | None = None
+    vouched_by: str | None = None
+    boot_lease_epoch: int | None = None
+    admit: Admit | None = None
+    retry_after_s: int = 5
+
+
+Verdict = Admit | Refuse | Challenge | Defer
 
 
 # --- the hookspecs: the contract ---------------------------------------------------
@@ -268,8 +321,9 @@ class AttestorSpec:
         """Server half: judge ``request`` inside the join transaction.
 
         Return None if ``attestor`` is not yours, else :class:`Admit`,
-        :class:`Refuse` or :class:`Challenge` (another round; ``request.round`` and
-        ``request.answer`` carry the node's answer to the previous one). Compare
+        :class:`Refuse`, :class:`Challenge` (another round; ``request.round`` and
+        ``request.answer`` carry the node's answer to the previous one) or
+        :class:`Defer` (a join request a person decides). Compare
         secrets in constant time. Exceptions are treated as a refusal with reason
         ``plugin-error`` and logged without their text reaching the client.
         """

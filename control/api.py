@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 import trio
 
 from bcd import __version__, wire
-from control import events, nodes, tenancy, tokens
+from control import events, joinrequests, nodes, tenancy, tokens
 from control.errors import ControlError, invalid
 from control.http import Request, Response, error_response, json_response
 from control.store import Store, Tx
@@ -171,6 +171,42 @@ class App:
             200, await self.run(lambda tx: tokens.revoke(tx, tenant, pool_id, token_id))
         )
 
+    async def _r_requests_list(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str
+    ) -> Response:
+        state = q.get("state", "pending")
+        return json_response(
+            200,
+            await self.run(lambda tx: joinrequests.list_requests(tx, tenant, pool_id, state)),
+        )
+
+    async def _r_requests_approve(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str, request_id: str
+    ) -> Response:
+        ttl = _field(body, "ttlSeconds", int, joinrequests.TTL_DEFAULT_S)
+        reason = _field(body, "reason", str, None)
+        return json_response(
+            200,
+            await self.run(
+                lambda tx: joinrequests.approve(
+                    tx, tenant, pool_id, request_id, ttl_s=ttl, reason=reason, decided_by=tenant
+                )
+            ),
+        )
+
+    async def _r_requests_reject(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str, request_id: str
+    ) -> Response:
+        reason = _field(body, "reason", str, None)
+        return json_response(
+            200,
+            await self.run(
+                lambda tx: joinrequests.reject(
+                    tx, tenant, pool_id, request_id, reason=reason, decided_by=tenant
+                )
+            ),
+        )
+
     async def _r_events_list(
         self, tenant: str, body: dict[str, Any], q: dict[str, str]
     ) -> Response:
@@ -228,6 +264,17 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
         "POST",
         re.compile(r"/pools/(pool_[0-9a-z]{26})/join-tokens/([^/]{1,200})/revoke"),
         "tokens_revoke",
+    ),
+    ("GET", re.compile(r"/pools/(pool_[0-9a-z]{26})/join-requests"), "requests_list"),
+    (
+        "POST",
+        re.compile(r"/pools/(pool_[0-9a-z]{26})/join-requests/(jreq_[0-9a-z]{26})/approve"),
+        "requests_approve",
+    ),
+    (
+        "POST",
+        re.compile(r"/pools/(pool_[0-9a-z]{26})/join-requests/(jreq_[0-9a-z]{26})/reject"),
+        "requests_reject",
     ),
     ("GET", re.compile(r"/events"), "events_list"),
     ("GET", re.compile(r"/nodes"), "nodes_list"),

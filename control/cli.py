@@ -354,6 +354,75 @@ def cmd_tokens_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
+def _request_ttl(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError("a whole number of seconds") from None
+    if not 60 <= value <= 86_400:
+        raise argparse.ArgumentTypeError("from 60 to 86400 seconds")
+    return value
+
+
+def _request_lines(rec: dict[str, Any]) -> str:
+    """A join request as text: what the attestor saw, then the decision."""
+    lines = [f"{rec['id']}  {rec['state']}  {rec['attestor']}  created {rec['createdAt']}"]
+    for label, key in (
+        ("hardwareKey", "hardwareKey"),
+        ("mac", "mac"),
+        ("ip", "ip"),
+        ("workflowId", "workflowId"),
+        ("vouchedBy", "vouchedBy"),
+        ("bootLeaseEpoch", "bootLeaseEpoch"),
+        ("csrSha256", "csrSha256"),
+        ("decidedAt", "decidedAt"),
+        ("decidedBy", "decidedBy"),
+        ("reason", "reason"),
+        ("expiresAt", "expiresAt"),
+        ("consumedAt", "consumedAt"),
+    ):
+        if rec.get(key) is not None:
+            lines.append(f"  {label}: {rec[key]}")
+    lines.append(f"  claims: {json.dumps(rec['claims'], sort_keys=True)}")
+    return "\n".join(lines)
+
+
+def _request_path(args: argparse.Namespace) -> str:
+    if not re.fullmatch(r"jreq_[0-9a-z]{26}", args.request_id):
+        raise ControlError(
+            "INVALID_ARGUMENT", f"{args.request_id!r} is not a join request id (jreq_…)"
+        )
+    return f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-requests/{args.request_id}"
+
+
+def cmd_requests_list(args: argparse.Namespace) -> int:
+    page = _client(args).call(
+        "GET", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-requests?state={args.state}"
+    )
+    if args.json:
+        print(json.dumps(page, indent=2))
+    else:
+        for rec in page["items"]:
+            print(_request_lines(rec))
+    return 0
+
+
+def cmd_requests_approve(args: argparse.Namespace) -> int:
+    body: dict[str, Any] = {"ttlSeconds": args.ttl}
+    if args.reason:
+        body["reason"] = args.reason
+    rec = _client(args).call("POST", _request_path(args) + "/approve", body)
+    _emit(args, rec, f"approved {rec['id']} until {rec['expiresAt']}")
+    return 0
+
+
+def cmd_requests_reject(args: argparse.Namespace) -> int:
+    body = {"reason": args.reason} if args.reason else {}
+    rec = _client(args).call("POST", _request_path(args) + "/reject", body)
+    _emit(args, rec, f"rejected {rec['id']}")
+    return 0
+
+
 def cmd_events_list(args: argparse.Namespace) -> int:
     query = []
     if args.type:
@@ -543,6 +612,36 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("token_id")
     p.add_argument("--tenant", required=True)
     p.add_argument("--pool", required=True)
+
+    jr = sub.add_parser("join-requests").add_subparsers(
+        dest="verb", required=True, parser_class=_Parser
+    )
+    p = verb(jr, "list", cmd_requests_list, client=True)
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--pool", required=True)
+    p.add_argument(
+        "--state",
+        default="pending",
+        choices=["pending", "approved", "rejected", "all"],
+        help="which requests (default pending)",
+    )
+    p = verb(jr, "approve", cmd_requests_approve, client=True)
+    p.add_argument("request_id")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--pool", required=True)
+    p.add_argument(
+        "--ttl",
+        type=_request_ttl,
+        default=900,
+        metavar="60..86400",
+        help="seconds the approval stays usable (default 900)",
+    )
+    p.add_argument("--reason")
+    p = verb(jr, "reject", cmd_requests_reject, client=True)
+    p.add_argument("request_id")
+    p.add_argument("--tenant", required=True)
+    p.add_argument("--pool", required=True)
+    p.add_argument("--reason")
 
     ev = sub.add_parser("events").add_subparsers(dest="verb", required=True, parser_class=_Parser)
     p = verb(ev, "list", cmd_events_list, client=True)

@@ -16,11 +16,15 @@ goes only to a ``security.join.refused`` event, written after the rollback.
 An attestor may instead answer a :class:`~bcd.plugins.Challenge` (the tpm attestor's
 credential activation): the signed ``challenge`` body, nothing issued or consumed,
 the transaction committed with whatever the attestor stored (``join_challenges``).
+Or a :class:`~bcd.plugins.Defer`: a join request (:mod:`control.joinrequests`)
+recorded or refreshed and a signed ``pending`` body; an approved request admits one
+join with its CSR, consumed inside that join's transaction.
 """
 
 from __future__ import annotations
 
 import base64
+import dataclasses
 import functools
 import json
 import logging
@@ -39,6 +43,8 @@ from bcd.plugins import (
     Admit,
     Challenge,
     ChallengeRecord,
+    Defer,
+    JoinRequestRecord,
     Plugins,
     PoolRecord,
     Refuse,
@@ -46,7 +52,7 @@ from bcd.plugins import (
     canonical_name,
     wire_name,
 )
-from control import events, tenancy
+from control import events, joinrequests, tenancy
 from control.errors import ControlError, Refused, StoreConflict, invalid
 from control.ids import new_id
 from control.store import Store, Tx
@@ -97,9 +103,11 @@ class _Ctx:
         seal: wire.OpenedSeal | None,
         attestor: str,
         settings: Mapping[str, str],
+        csr_sha256: str,
     ) -> None:
         self._tx = tx
         self._attestor = attestor
+        self._csr_sha256 = csr_sha256
         self.now_ms = tx.now_ms()
         self.seal = seal
         self.settings = settings
@@ -169,6 +177,10 @@ class _Ctx:
         )
         if changed != 1:  # pragma: no cover - the row is locked and was checked
             raise ControlError("CONFLICT", CONCURRENT)
+
+    def lookup_join_request(self, machine_key: str) -> JoinRequestRecord | None:
+        row = joinrequests.lock_for_csr(self._tx, self._attestor, machine_key, self._csr_sha256)
+        return None if row is None else joinrequests.as_record(row, self.now_ms)
 
     def lock_join_token(self, token_id: str) -> TokenRecord | None:
         row = self._tx.one(
@@ -277,7 +289,7 @@ class JoinService:
                 raise self._refuse(attempt, "seal-stale")
         if attempt.attestor not in self.plugins.names():
             raise self._refuse(attempt, "attestor-unknown")
-        ctx = _Ctx(tx, attempt.seal, attempt.attestor, self.settings)
+        ctx = _Ctx(tx, attempt.seal, attempt.attestor, self.settings, attempt.csr_sha256)
         try:
             verdict = self.plugins.server_verify(attempt.attestor, request, ctx)
         except (ControlError, StoreConflict):
@@ -291,7 +303,47 @@ class JoinService:
             raise self._refuse(attempt, verdict.reason, verdict.tenant_id)
         if isinstance(verdict, Challenge):
             return self._challenge(attempt, verdict, crypto)
+        if isinstance(verdict, Defer):
+            return self._defer(tx, attempt, verdict, crypto)
         return self._issue(tx, attempt, verdict, crypto)
+
+    def _defer(self, tx: Tx, attempt: _Attempt, defer: Defer, crypto: JoinCrypto) -> str:
+        """A join request: admit an approved retry once, refuse a rejected one, else
+        record (or refresh) the pending request and answer a signed ``pending`` body."""
+        try:
+            pki.parse_csr(attempt.request.csr_der)
+        except pki.PkiError:
+            raise self._refuse(attempt, "csr-invalid") from None
+        pool = tx.one("SELECT * FROM pools WHERE id = ?", (defer.pool_id,))
+        if pool is None:
+            raise self._refuse(attempt, "pool-unknown")
+        row = joinrequests.lock_for_csr(tx, attempt.attestor, defer.machine_key, attempt.csr_sha256)
+        tenant = str(pool["tenant_id"])
+        if row is not None and row["state"] == "rejected":
+            raise self._refuse(attempt, "request-rejected", tenant)
+        if row is not None and row["state"] == "approved":
+            if defer.admit is not None and joinrequests.usable(row, tx.now_ms()):
+                admit = dataclasses.replace(defer.admit, join_request_id=str(row["id"]))
+                return self._issue(tx, attempt, admit, crypto)
+            if row["consumed_at"] is not None:
+                raise self._refuse(attempt, "request-consumed", tenant)
+        request_id = joinrequests.record_pending(
+            tx,
+            tenant_id=tenant,
+            site_id=str(pool["site_id"]),
+            attestor=attempt.attestor,
+            defer=defer,
+            claims=attempt.request.claims.to_json(),
+            csr_sha256=attempt.csr_sha256,
+        )
+        retry = defer.retry_after_s if isinstance(defer.retry_after_s, int) else 5
+        body = {
+            "kind": "pending",
+            "attestor": wire_name(attempt.attestor),
+            "request_id": request_id,
+            "retry_after_s": max(1, retry),
+        }
+        return wire.sign_response(body, crypto.signing_key)
 
     def _challenge(self, attempt: _Attempt, verdict: Challenge, crypto: JoinCrypto) -> str:
         """A JoinChallenge: the signed ``challenge`` body; nothing issued, nothing consumed."""
@@ -365,6 +417,19 @@ class JoinService:
             raise self._refuse(attempt, "pool-attestor", tenant)
         if request.node_id is not None and (existing is None or existing["id"] != request.node_id):
             raise self._refuse(attempt, "node-id", tenant)
+        if admit.join_request_id is not None:
+            approved = tx.one(
+                "SELECT * FROM join_requests WHERE id = ? AND attestor = ?" + tx.for_update,
+                (admit.join_request_id, attempt.attestor),
+            )
+            if (
+                approved is None
+                or approved["csr_sha256"] != attempt.csr_sha256
+                or approved["pool_id"] != admit.pool_id
+                or not joinrequests.usable(approved, tx.now_ms())
+            ):
+                raise self._refuse(attempt, "request-not-approved", tenant)
+            joinrequests.consume(tx, admit.join_request_id)
         now_ms = tx.now_ms()
         if existing is None:
             node_id = new_id("node")
@@ -425,6 +490,8 @@ class JoinService:
             "poolId": admit.pool_id,
             "siteId": admit.site_id,
         }
+        if admit.join_request_id is not None:
+            payload["joinRequestId"] = admit.join_request_id
         events.publish(tx, tenant, "node.joined", payload)
         events.audit(tx, tenant, "node.reclaimed" if reclaim else "node.joined", node_id, payload)
         return signed_identity(
