@@ -3,6 +3,9 @@ PY ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The example third-party attestor (a separate distribution, tests/plugins/) the
+# test suite joins a node with, installed like any third party's plugin.
+EXAMPLE_ATTESTOR := tests/plugins/example_attestor
 
 # Debian packages the TPM tests and the tpm2-pytss build need (swtpm with its local
 # CA, tpm2-tools, the tpm2-tss headers and swtpm TCTI) and what building a wheel and
@@ -30,11 +33,12 @@ system-packages:
 	  fi; \
 	fi
 
-$(STAMP): pyproject.toml | system-packages
+$(STAMP): pyproject.toml $(EXAMPLE_ATTESTOR)/pyproject.toml | system-packages
 	@$(PY) -c 'import sys; assert sys.version_info >= (3, 11), "bcd needs Python 3.11 or newer"'
 	@test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/pip install -q -e $(EXAMPLE_ATTESTOR)
 	@touch $(STAMP)
 
 quickstart: $(STAMP)

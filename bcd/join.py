@@ -259,6 +259,7 @@ async def join(
             role=role,
             tcti=cfg.tpm.tcti,
             node_key_record=record,
+            claims=claims,
         )
 
     built: list[NodeEvidence] = []

@@ -72,6 +72,8 @@ class NodeJoinContext:
     node_key_record: Mapping[str, Any] | None = None
     """When the node key is held in the TPM: the record node.key holds (its JSON object,
     :class:`bcd.tpm.record.NodeKeyRecord`), from which the TPM derives the key; else None."""
+    claims: wire.Claims | None = None
+    """The hardware claims ``bcd join`` read (under ``--sysfs-root``) and sends."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -305,6 +305,9 @@ class JoinService:
             return self._challenge(attempt, verdict, crypto)
         if isinstance(verdict, Defer):
             return self._defer(tx, attempt, verdict, crypto)
+        if not isinstance(verdict, Admit):  # a plugin breaking the contract
+            log.error("attestor %s returned %s, not a verdict", attempt.attestor, type(verdict))
+            raise self._refuse(attempt, "plugin-error")
         return self._issue(tx, attempt, verdict, crypto)
 
     def _defer(self, tx: Tx, attempt: _Attempt, defer: Defer, crypto: JoinCrypto) -> str:

@@ -1,0 +1,118 @@
+"""The example third-party attestor (tests/plugins/example_attestor, ``serial-allowlist``)
+joins a node through real processes, with no change to bcd: it is a separate
+distribution installed into the environment (``make`` does it) and found only
+through the ``bcd.attestors`` entry-point group."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from control import tenancy
+from control.store import open_store
+from tests.e2e import ControlPlane, Node
+
+pytestmark = pytest.mark.e2e
+
+NAME = "serial-allowlist"
+ALLOWED = ("SN-ALLOW-0001", "SN-ALLOW-0002")
+JOINED = re.compile(
+    r"^joined as (node_[0-9a-z]{26}) \(site (site_[0-9a-z]{26}), role node\); "
+    r"certificate valid until \S+Z$"
+)
+REFUSED_LINE = "bcd: the control plane refused the join (ACCESS_DENIED: Join refused)\n"
+
+
+def test_the_example_attestor_is_installed_as_a_separate_distribution() -> None:
+    (ep,) = [e for e in importlib.metadata.entry_points(group="bcd.attestors") if e.name == NAME]
+    assert ep.value == "bcd_example_attestor"
+    assert ep.dist is not None
+    assert ep.dist.name == "bcd-example-attestor"
+
+
+@pytest.fixture
+def serial_control_plane(
+    tmp_path: Path, pki_template: Path
+) -> Iterator[tuple[ControlPlane, str, str]]:
+    db_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = open_store(db_url)
+    store.migrate()
+    with store.tx() as tx:
+        root, _ = tenancy.create_tenant(tx, "platform", root=True)
+        site = str(tenancy.create_site(tx, root, "rack-s1")["id"])
+        pool = str(tenancy.create_pool(tx, root, site, "serials", "bcd", {})["id"])
+    store.close()
+    home = tmp_path / "cp"
+    home.mkdir()
+    cp = ControlPlane.start(
+        home,
+        pki_template,
+        db_url,
+        extra_args=[
+            "--attestor-setting",
+            f"{NAME}.pool={pool}",
+            "--attestor-setting",
+            f"{NAME}.serials={','.join(ALLOWED)}",
+        ],
+    )
+    try:
+        yield cp, site, pool
+    finally:
+        cp.stop()
+
+
+def _node(
+    tmp_path: Path, cp: ControlPlane, site: str, serial: str, monkeypatch: pytest.MonkeyPatch
+) -> Node:
+    node = Node.make(tmp_path / "node", cp, site, seed=7)
+    (node.sysfs / "sys/class/dmi/id/product_serial").write_text(serial + "\n")
+    # the example's node half reads the serial under this root (bcd join's own
+    # --sysfs-root is not lent to plugins); the harness keeps it in the child's env
+    monkeypatch.setenv("SERIAL_ALLOWLIST_SYSFS_ROOT", str(node.sysfs))
+    return node
+
+
+def test_an_allow_listed_serial_joins_with_no_token(
+    serial_control_plane: tuple[ControlPlane, str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp, site, pool = serial_control_plane
+    node = _node(tmp_path, cp, site, ALLOWED[1], monkeypatch)
+
+    done = node.join(None, "--attestor", NAME)
+
+    assert done.returncode == 0, done.stderr
+    m = JOINED.match(done.stdout.strip())
+    assert m, done.stdout
+    node_id = m.group(1)
+    assert m.group(2) == site
+    row = cp.one("SELECT pool_id FROM nodes WHERE id = ?", (node_id,))
+    assert row == {"pool_id": pool}
+    joined = cp.events(type_="node.joined")
+    assert [e["nodeId"] for e in joined] == [node_id]
+    assert joined[0]["nodeKey"] == "unattested"
+    assert cp.events(type_="security.join.refused") == []
+
+
+def test_a_serial_not_on_the_list_is_refused(
+    serial_control_plane: tuple[ControlPlane, str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp, site, _pool = serial_control_plane
+    node = _node(tmp_path, cp, site, "SN-NOT-LISTED", monkeypatch)
+
+    done = node.join(None, "--attestor", NAME)
+
+    assert done.returncode == 1
+    assert done.stderr == REFUSED_LINE
+    assert "serial-unknown" not in done.stderr + done.stdout
+    reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+    assert reasons == [f"{NAME}:serial-unknown"]
+    assert cp.events(type_="node.joined") == []
+    assert not (node.data_dir / "identity.json").exists()
