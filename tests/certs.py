@@ -21,6 +21,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from bcd import pki
 from bcd.identity import Identity, format_time, make_identity
+from control import pki as control_pki
 
 TRUST_DOMAIN = "td.example"
 _ALPHABET = "0123456789abcdefghjkmnpqrstvwxyz"
@@ -90,33 +91,10 @@ class CertAuthority:
 
 
 def make_ca(common_name: str = "bc test CA") -> CertAuthority:
+    """A self-signed test CA, built by the control plane's own CA builder."""
     key = pki.generate_key()
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
-    start = _now() - timedelta(days=1)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(start)
-        .not_valid_after(start + timedelta(days=3650))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(key, hashes.SHA256())
+    cert = control_pki.make_ca(
+        common_name, key, _now() - timedelta(days=1), timedelta(days=3650), path_length=None
     )
     return CertAuthority(key, cert)
 

@@ -520,7 +520,8 @@ async def test_the_helper_user_may_use_it(swtpm: SwTpm, sockdir: Path) -> None:
     async with running(settings) as client:
         with as_nobody():
             key = await client.nodekey(RECORD)
-            await client.sign(RECORD, key, DIGEST)
+            signature = await client.sign(RECORD, key, DIGEST)
+    assert len(signature) == 64  # and the client checked it against the key
 
 
 async def test_a_user_outside_the_socket_group_cannot_connect(swtpm: SwTpm, sockdir: Path) -> None:

@@ -26,6 +26,7 @@ from bcd import httpclient, pki
 from bcd.errors import TransportError
 from bcd.tls import connect_pinned, verify_server_chain
 from control import http
+from control.pki import make_ca
 
 NOW = datetime.now(UTC)
 DER = serialization.Encoding.DER
@@ -43,37 +44,7 @@ def _make_ca(
     cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None = None
 ) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
     key = ec.generate_private_key(ec.SECP256R1())
-    issuer_cert, issuer_key = issuer if issuer else (None, key)
-    issuer_public = issuer_key.public_key()
-    builder = (
-        x509.CertificateBuilder()
-        .subject_name(_name(cn))
-        .issuer_name(issuer_cert.subject if issuer_cert else _name(cn))
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(NOW - timedelta(days=1))
-        .not_valid_after(NOW + timedelta(days=30))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=False,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                key_cert_sign=True,
-                crl_sign=True,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
-        .add_extension(
-            x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_public), critical=False
-        )
-    )
-    return builder.sign(issuer_key, hashes.SHA256()), key
+    return make_ca(cn, key, NOW, timedelta(days=30), path_length=None, issuer=issuer), key
 
 
 def _make_leaf(
@@ -274,6 +245,7 @@ async def test_pinned_request_reaches_handler(server: Server) -> None:
 
 async def test_ip_server_name(server: Server) -> None:
     stream = await _connect(server, name="127.0.0.1")
+    assert stream.getpeercert(binary_form=True) is not None
     await stream.aclose()
 
 
@@ -345,8 +317,8 @@ async def test_bad_client_key_is_transport_error(server: Server) -> None:
 
 def test_verify_server_chain_accepts_good_chain() -> None:
     m = material()
-    verify_server_chain(m.chain_der, "gw.test", m.pin, NOW)
-    verify_server_chain(m.chain_der, "127.0.0.1", m.pin, NOW)
+    assert verify_server_chain(m.chain_der, "gw.test", m.pin, NOW) is None
+    assert verify_server_chain(m.chain_der, "127.0.0.1", m.pin, NOW) is None
 
 
 def test_expired_leaf() -> None:
@@ -382,8 +354,9 @@ def test_pinned_intermediate_is_the_anchor() -> None:
     inter = _make_ca("serving intermediate", issuer=root)
     leaf, _ = _make_leaf(inter, SERVER_SAN, ExtendedKeyUsageOID.SERVER_AUTH)
     chain = [c.public_bytes(DER) for c in (leaf, inter[0], root[0])]
-    verify_server_chain(chain, "gw.test", pki.spki_pin(inter[1].public_key()), NOW)
-    verify_server_chain(chain[:2], "gw.test", pki.spki_pin(inter[1].public_key()), NOW)
+    pin = pki.spki_pin(inter[1].public_key())
+    assert verify_server_chain(chain, "gw.test", pin, NOW) is None
+    assert verify_server_chain(chain[:2], "gw.test", pin, NOW) is None
 
 
 def _flip(data: tuple[int, int]) -> bytes:

@@ -377,7 +377,8 @@ def test_renewal_keeps_the_reclaimed_generation(env: Env) -> None:
 def test_client_time_just_within_a_minute_is_accepted(env: Env) -> None:
     node = env.join(6)
     ahead = env.renew(node, client_time=env.now_ms() + 50_000)
-    env.renew(ahead, client_time=env.now_ms() - 50_000)
+    behind = env.renew(ahead, client_time=env.now_ms() - 50_000)
+    assert len({node.serial, ahead.serial, behind.serial}) == 3
 
 
 # --- every refusal --------------------------------------------------------------------
@@ -480,7 +481,9 @@ def test_another_certificate_of_the_same_node_may_carry_the_call(env: Env) -> No
     renewed = env.renew(node)
     # bcd presents its current leaf in the request; the TLS client may still hold the old one
     attempt = env.body(renewed)
-    env.renew_raw(attempt, node.der)
+    body = env.renew_raw(attempt, node.der)
+    assert body["node_id"] == node.node_id
+    assert body["csr_sha256"] == bpki.sha256_hex(attempt.csr_der)
 
 
 @pytest.mark.parametrize("offset_ms", [61_000, -61_000, 3_600_000])
