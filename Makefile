@@ -11,11 +11,11 @@ EXAMPLE_ATTESTOR := tests/plugins/example_attestor
 # CA, tpm2-tools, the tpm2-tss headers and swtpm TCTI) and what building a wheel and
 # a venv takes on a fresh machine. Installed only when one is missing.
 DEB_PACKAGES := swtpm swtpm-tools tpm2-tools libtss2-dev libtss2-tcti-swtpm0 pkg-config \
-	gcc python3-dev python3-venv
+	gcc python3-dev python3-venv curl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: quickstart test lint typecheck pytest bench clean system-packages
+.PHONY: quickstart test lint typecheck pytest bench clean system-packages artifact
 
 # Runs on every make (a dpkg-query, a few ms) but, as an order-only prerequisite,
 # does not make $(STAMP) out of date. apt-get update only when the install fails
@@ -55,6 +55,11 @@ pytest: $(STAMP)
 	$(BIN)/pytest -q
 
 test: lint typecheck pytest
+
+# The bcd artifact for this machine's architecture, in dist/bcd/<version>/linux-<arch>
+# (docs/installing.md); serve it with better-compute serve --downloads dist.
+artifact: $(STAMP)
+	$(BIN)/python packaging/build_artifact.py --out dist
 
 bench: $(STAMP)
 	$(BIN)/python bench/join.py

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 
-from bcd import __version__, doctor, fs, pki, wire
+from bcd import __version__, doctor, fs, pki, systemd, wire
 from bcd.config import Config, join_encryption_jwk_path, load_config, parse_config, render_config
 from bcd.credential import Credential, read_stdin, read_token_file, remove_credential_files
 from bcd.errors import BcdError, ConfigError, JoinError, UsageError
@@ -34,6 +34,7 @@ from bcd.identity import (
     hand_over,
     load_state,
     persist_join,
+    persist_rejoin,
     reset_plan,
     write_join_record,
 )
@@ -287,8 +288,13 @@ def cmd_join(args: argparse.Namespace) -> int:
     if args.attestor == TPM_ATTESTOR and cfg.tpm.mode == "off":
         raise JoinError("--attestor tpm needs the TPM, but the configuration says [tpm] mode = off")
 
+    from bcd import rejoin as x509pop
+
+    rejoin = None
+    if args.attestor == x509pop.X509POP:  # re-join the identity held here
+        rejoin = x509pop.prepare(cfg, _derive_in_tpm(cfg), reset=args.reset, node_id=args.node_id)
     plan: list[tuple[Path, Path]] = []
-    if args.reset:
+    if args.reset:  # never with x509pop: prepare() refused that combination
         plan = reset_plan(data_dir, _now())
         for src, dst in plan:
             print(f"{'moving' if args.yes else 'would move'} {src} -> {dst}")
@@ -297,7 +303,7 @@ def cmd_join(args: argparse.Namespace) -> int:
         if not args.yes:
             print("nothing was moved; run again with --reset --yes to move the identity aside")
             return 2
-    else:
+    elif rejoin is None:
         state = load_state(data_dir, _derive_in_tpm(cfg))
         if state is not None:
             ident = state.identity
@@ -336,12 +342,14 @@ def cmd_join(args: argparse.Namespace) -> int:
             cfg,
             plugins,
             attestor=args.attestor,
-            role=args.role,
+            role=args.role if rejoin is None else rejoin.role,
             credential=credential.text if credential else None,
             encryption_key=encryption_key,
             claims=read_claims(Path(args.sysfs_root)),
             key=key,
             node_id=args.node_id,
+            identity_chain_der=rejoin.chain_der if rejoin else (),
+            identity_signer=rejoin.signer if rejoin else None,
         )
     )
     ident = joined.identity
@@ -351,8 +359,11 @@ def cmd_join(args: argparse.Namespace) -> int:
         write_join_record(cfg.helper.hostconfig_dir, joined.signed)
     # The old identity moves aside only once the new one is in hand: a refused or
     # failed join after --reset --yes leaves the machine as it was.
-    apply_reset(plan)
-    persist_join(data_dir, ident, key_bytes, _now())
+    if rejoin is not None:  # crash safe: the old identity loads until the new one is whole
+        persist_rejoin(data_dir, ident, key_bytes)
+    else:
+        apply_reset(plan)
+        persist_join(data_dir, ident, key_bytes, _now())
     if owner is not None:
         hand_over(data_dir, *owner)  # join step 7: lchown, never through a swapped-in link
     if bootstrap_doc is not None:
@@ -434,6 +445,27 @@ def cmd_helper(args: argparse.Namespace) -> int:
     return run_helper(load_config(Path(args.config)))
 
 
+def cmd_vouch(args: argparse.Namespace) -> int:
+    from bcd.hardware import normalize_mac
+    from bcd.vouch import vouch
+
+    mac = normalize_mac(args.mac)
+    if mac is None:
+        raise UsageError(
+            f"--mac {args.mac!r} is not a permanent, globally administered unicast MAC"
+        )
+    if args.boot_lease_epoch <= 0:
+        raise UsageError("--boot-lease-epoch must be a positive integer (the lease's unix time)")
+    cfg = load_config(Path(args.config))
+    answer = trio.run(vouch, cfg, mac, args.boot_lease_epoch, args.ip, args.workflow_id)
+    print(
+        f"vouched for {answer.get('mac')} on site {answer.get('site_id')} "
+        f"(boot {answer.get('boot_lease_epoch')}, {answer.get('vouch_id')}); "
+        f"it may join until {answer.get('expires_at')}"
+    )
+    return 0
+
+
 def cmd_version(args: argparse.Namespace) -> int:
     print(f"bcd {__version__}")
     return 0
@@ -448,7 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
     p.add_argument("--token-file", help="a file only its owner can read (0600/0400), deleted after")
     p.add_argument(
-        "--attestor", default=JOIN_TOKEN, help="join-token (default), tpm (no token), or a plugin's"
+        "--attestor",
+        default=JOIN_TOKEN,
+        help="join-token (default), tpm or discovery (no token), or a plugin's",
     )
     p.add_argument("--role", default="node", choices=["node", "site", "ramdisk"])
     p.add_argument("--node-id")
@@ -474,13 +508,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(fn=cmd_helper)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
 
+    p = sub.add_parser(
+        "vouch", help="as a site agent: vouch for a machine that booted on this site"
+    )
+    p.set_defaults(fn=cmd_vouch)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--mac", required=True, help="the booted machine's MAC")
+    p.add_argument(
+        "--boot-lease-epoch", required=True, type=int, help="the boot's DHCP lease (unix time)"
+    )
+    p.add_argument("--ip", help="the address the machine was given")
+    p.add_argument("--workflow-id", help="the provisioning workflow that booted it")
+
     p = sub.add_parser("version")
     p.set_defaults(fn=cmd_version)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    logging.basicConfig(level=logging.WARNING, format="bcd: %(name)s: %(message)s")
+    systemd.configure_logging(sys.stderr, logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
     if argv[:1] == ["join"]:

@@ -9,6 +9,10 @@ Checks, in order:
     warn: the node has not joined; fail: the identity does not load, the certificate
     expired, or there is no configuration to find it; ok: the node, site, role and
     the certificate's end.
+``x509pop``
+    Only after an expiry of at most 7 days (and not for a certificate naming a TPM
+    AK): warn with the other way back, ``bcd join --attestor x509pop`` as root, when
+    the control plane has x509pop configured (doctor cannot tell whether it has).
 ``tpm``
     The TPM the node keys live in (``bcd doctor`` adds it with :func:`tpm_check`).
     ``[tpm] mode = off``: ok, the TPM is not used. Under ``[helper]``: fail while the
@@ -44,7 +48,7 @@ import os
 import pwd
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal
 
@@ -80,10 +84,36 @@ def run_checks(config_path: Path, now: datetime) -> list[Check]:
             Check("config", "fail", str(exc)),
             Check("identity", "fail", NO_CONFIG_FOR_IDENTITY),
         ]
-    return [
-        Check("config", "ok", str(config_path)),
-        check_identity(cfg.data_dir, now, _loader(cfg)),
-    ]
+    identity, state = _identity_and_state(cfg.data_dir, now, _loader(cfg))
+    checks = [Check("config", "ok", str(config_path)), identity]
+    hint = rejoin_hint(state, now)
+    if hint is not None:
+        checks.append(hint)
+    return checks
+
+
+REJOIN_WINDOW = timedelta(days=7)
+
+
+def rejoin_hint(state: AnyState | None, now: datetime) -> Check | None:
+    """After an expiry of at most 7 days, the other way back: an x509pop re-join.
+
+    Doctor does not ask the control plane, so it cannot tell whether x509pop is
+    configured there; the hint says so. None when it does not apply (not expired,
+    expired longer ago, or a TPM-AK-bound certificate, which x509pop refuses).
+    """
+    if state is None or not state.expired(now) or state.leaf_info.statements:
+        return None
+    until = state.leaf_info.not_after + REJOIN_WINDOW
+    if now >= until:
+        return None
+    return Check(
+        "x509pop",
+        "warn",
+        "when the control plane has x509pop configured, this node can instead re-join as "
+        f"itself until {until.strftime('%Y-%m-%dT%H:%M:%SZ')}, as root: "
+        "bcd join --attestor x509pop",
+    )
 
 
 def _loader(cfg: Config) -> Callable[[Path], AnyState | None]:
@@ -108,25 +138,33 @@ def check_identity(
     load: Callable[[Path], AnyState | None] = load_state,
 ) -> Check:
     """The identity check alone, for a data directory."""
+    return _identity_and_state(data_dir, now, load)[0]
+
+
+def _identity_and_state(
+    data_dir: Path,
+    now: datetime,
+    load: Callable[[Path], AnyState | None],
+) -> tuple[Check, AnyState | None]:
     try:
         state = load(data_dir)
     except BcdError as exc:  # IdentityError, or the helper failing to derive the key
-        return Check("identity", "fail", str(exc))
+        return Check("identity", "fail", str(exc)), None
     if state is None:
-        return Check("identity", "warn", NOT_JOINED)
+        return Check("identity", "warn", NOT_JOINED), None
     ident = state.identity
     if state.expired(now):
         return Check(
             "identity",
             "fail",
             f"the certificate expired at {ident.not_after}; {EXPIRED_WAY_BACK}",
-        )
+        ), state
     return Check(
         "identity",
         "ok",
         f"node {ident.node_id} (site {ident.site_id}, role {ident.role}); "
         f"certificate valid until {ident.not_after}",
-    )
+    ), state
 
 
 TSS_GROUP = "tss"

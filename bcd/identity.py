@@ -630,6 +630,34 @@ def store_renewal(
         ) from exc
 
 
+def persist_rejoin(
+    data_dir: Path,
+    identity: Identity,
+    key_bytes: bytes,
+    after_step: Callable[[str], None] | None = None,
+) -> None:
+    """Store the identity of a re-join of this same node (``bcd join --attestor x509pop``).
+
+    The steps of a renewal (:func:`store_renewal`), so a crash at any point leaves
+    a state :func:`load_state` settles to a matching key and certificate: the old
+    identity until identity.json is replaced (the new key waits in node.key.next and
+    is removed as uncertified), the new one after (node.key.next is promoted). The
+    journal stays: it is this node's. ``key_bytes`` must be the new leaf's key.
+    """
+    previous = _previous_node_id(data_dir)
+    if previous != identity.node_id:
+        raise IdentityError(
+            f"the re-join answered for {identity.node_id}, not this machine's {previous}; "
+            "nothing was stored"
+        )
+    leaf_key = identity.leaf().public_key()
+    if not isinstance(leaf_key, ec.EllipticCurvePublicKey) or not _certified_next(
+        key_bytes, leaf_key
+    ):
+        raise IdentityError("the issued certificate does not certify the node key")
+    store_renewal(data_dir, identity, key_bytes, after_step)
+
+
 JOIN_RECORD_FILE = "join-response.jws"
 
 

@@ -230,13 +230,17 @@ async def join(
     send: Sender | None = None,
     attempts: int = MAX_ATTEMPTS,
     wall: Callable[[], float] | None = None,
+    identity_chain_der: tuple[bytes, ...] = (),
+    identity_signer: Callable[[bytes], bytes] | None = None,
 ) -> Joined:
     """Run the join; return the verified body and the identity to persist.
 
     ``key`` is a file key, or a :class:`HeldKey` (in the TPM; the identity's key is
     then ``tpm``). A ``challenge`` answer is answered by the attestor's node half with
     the same CSR, at most :data:`MAX_CHALLENGE_ROUNDS` times, never after its
-    ``not_after``; a ``pending`` one is waited out.
+    ``not_after``; a ``pending`` one is waited out. ``identity_chain_der`` and
+    ``identity_signer`` lend the machine's existing identity to the attestor (a re-join
+    with x509pop; see :class:`~bcd.plugins.NodeJoinContext`).
     """
     import time
 
@@ -260,6 +264,8 @@ async def join(
             tcti=cfg.tpm.tcti,
             node_key_record=record,
             claims=claims,
+            identity_chain_der=identity_chain_der,
+            identity_signer=identity_signer,
         )
 
     built: list[NodeEvidence] = []

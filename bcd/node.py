@@ -24,7 +24,7 @@ from typing import Any
 
 import trio
 
-from bcd import failpoints
+from bcd import failpoints, systemd
 from bcd.config import Config
 from bcd.errors import CertificateRevoked, IdentityError
 from bcd.helper.client import HelperClient
@@ -100,12 +100,20 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
         state.identity.not_after,
         journal.journal_id,
     )
+    status = (
+        f"STATUS=node {state.identity.node_id}; certificate valid until {state.identity.not_after}"
+    )
 
     async def record(kind: str, payload: dict[str, Any]) -> object:
+        if kind == "renewed":
+            systemd.notify(
+                f"STATUS=node {state.identity.node_id}; renewed, certificate valid until "
+                f"{payload.get('notAfter')}"
+            )
         return await trio.to_thread.run_sync(journal.append, kind, payload)
 
     try:
-        await _supervise(cfg, holder, info, wall, record, tpm)
+        await _supervise(cfg, holder, info, wall, record, tpm, ready=("READY=1", status))
     finally:
         await trio.to_thread.run_sync(journal.close)
 
@@ -117,10 +125,14 @@ async def _supervise(
     wall: Callable[[], float],
     record: Callable[[str, dict[str, Any]], Awaitable[object]],
     tpm: HelperKeys | None = None,
+    ready: tuple[str, ...] = (),
 ) -> None:
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_signals, nursery.cancel_scope)
+            await nursery.start(_signals, nursery.cancel_scope)
+            # Type=notify: ready once the identity loaded, the journal is open and a
+            # SIGTERM stops bcd node cleanly.
+            systemd.notify(*ready)
             nursery.start_soon(lambda: session_task(cfg, holder.get, info, tpm=tpm))
             nursery.start_soon(
                 lambda: renewal_task(
@@ -141,9 +153,13 @@ async def _supervise(
         raise
 
 
-async def _signals(scope: trio.CancelScope) -> None:
+async def _signals(
+    scope: trio.CancelScope, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        task_status.started()
         async for signum in signals:
             log.info("received %s; stopping", signal.Signals(signum).name)
+            systemd.notify("STOPPING=1")
             scope.cancel()
             return

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import logging
-from collections.abc import Mapping
+import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -74,6 +75,13 @@ class NodeJoinContext:
     :class:`bcd.tpm.record.NodeKeyRecord`), from which the TPM derives the key; else None."""
     claims: wire.Claims | None = None
     """The hardware claims ``bcd join`` read (under ``--sysfs-root``) and sends."""
+    identity_chain_der: tuple[bytes, ...] = ()
+    """On a re-join of the machine's existing identity (``bcd join --attestor x509pop``):
+    that identity's certificate chain, leaf first, as DER; else empty."""
+    identity_signer: Callable[[bytes], bytes] | None = field(default=None, repr=False)
+    """On such a re-join: signs a SHA-256 digest with the existing identity's key (a file
+    key, or the TPM-held key through the TPM) and returns the P1363 signature (r || s,
+    64 bytes); else None. The key itself is never handed to a plugin."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +124,39 @@ class PoolRecord:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeRecord:
+    """A node as the server half sees it (``lookup_node_by_hardware_key``)."""
+
+    node_id: str
+    tenant_id: str
+    site_id: str
+    pool_id: str
+    role: str
+    identity_generation: int
+    retired: bool
+
+
+@dataclass(frozen=True, slots=True)
+class VouchRecord:
+    """A site agent's word that a machine booted on its site (``discovery_vouches``).
+
+    ``mac`` is lowercase ``aa:bb:cc:dd:ee:ff``; ``vouched_by`` is the site agent's
+    node id; ``boot_lease_epoch`` the boot (DHCP lease) it vouched for; ``used`` is
+    true once a join was admitted on it (a vouch admits one join per boot).
+    """
+
+    vouch_id: str
+    site_id: str
+    mac: str
+    ip: str | None
+    workflow_id: str | None
+    vouched_by: str
+    boot_lease_epoch: int
+    expires_at_ms: int
+    used: bool
+
+
+@dataclass(frozen=True, slots=True)
 class ChallengeRecord:
     """A challenge an attestor issued, as stored in ``join_challenges``.
 
@@ -132,6 +173,33 @@ class ChallengeRecord:
     csr_sha256: str
     not_after_ms: int
     used: bool
+
+
+@dataclass(frozen=True, slots=True)
+class NodeCertRecord:
+    """A node certificate JoinService issued (its ``node_certs`` row) and its node.
+
+    ``identity_generation`` is the certificate's, ``node_generation`` the node's
+    current one; ``statements`` and ``allowed_kinds`` are the row's; ``revoked`` is
+    the certificate's revocation, ``node_retired`` the node's. ``tenant_id``,
+    ``pool_id`` and ``node_role`` are the node's (``role`` is the certificate's).
+    """
+
+    serial: str
+    node_id: str
+    tenant_id: str
+    site_id: str
+    pool_id: str
+    role: str
+    node_role: str
+    identity_generation: int
+    node_generation: int
+    statements: tuple[str, ...]
+    allowed_kinds: tuple[str, ...]
+    not_after_ms: int
+    spki_sha256: str
+    revoked: bool
+    node_retired: bool
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +224,9 @@ class ServerJoinContext(Protocol):
 
     seal: wire.OpenedSeal | None
     """The opened sealed token (typ, kid, CSR binding and iat already checked)."""
+
+    peer_ip: str | None
+    """The IP address the join came from as the gateway saw it (normalised), or None."""
 
     settings: Mapping[str, str]
     """The control plane's attestor settings, ``<attestor>.<key>`` to a string (from
@@ -190,6 +261,20 @@ class ServerJoinContext(Protocol):
 
     def consume_challenge(self, challenge_id: str) -> None:
         """Mark the challenge used; undone if the join is refused later."""
+
+    def lookup_node_by_hardware_key(self, hardware_key: str) -> NodeRecord | None:
+        """The node whose trusted hardware key is ``hardware_key`` (None if none)."""
+
+    def lookup_vouch(self, site_id: str, mac: str) -> VouchRecord | None:
+        """The newest vouch of a site agent of ``site_id`` for ``mac`` (None if none;
+        check ``expires_at_ms`` against ``now_ms`` and ``used`` yourself)."""
+
+    def consume_vouch(self, vouch_id: str) -> None:
+        """Mark the vouch used; undone if the join is refused later."""
+
+    def lookup_node_cert(self, der: bytes) -> NodeCertRecord | None:
+        """The node_certs row that is byte for byte ``der`` (a leaf's DER), with its node;
+        None when no issued certificate is exactly these bytes (or its node is gone)."""
 
     def lookup_join_request(self, machine_key: str) -> JoinRequestRecord | None:
         """The machine's newest join request for this attestor with the presented CSR.
@@ -227,6 +312,11 @@ class Admit:
     """An approved join request this join spends: JoinService checks that it is
     approved, unconsumed, unexpired and for the presented CSR, and consumes it in the
     join transaction (else the join is refused ``request-not-approved``)."""
+    node_id: str | None = None
+    """A re-join of this existing node (x509pop): JoinService reclaims exactly that node
+    (same id, identity generation + 1, every older certificate revoked ``rejoined``),
+    with no hardware-key lookup and no ``allow_reclaim``; it must still be in
+    ``tenant_id``/``site_id``/``pool_id`` and not retired (else ``reclaim``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -284,6 +374,35 @@ class Defer:
 
 
 Verdict = Admit | Refuse | Challenge | Defer
+
+
+_ALLOWED_KIND = re.compile(r"^[a-z][a-z0-9-]*(\.[a-z0-9-]+)*(\.\*)?$")
+ALLOWED_KIND_MAX = 128
+
+
+def valid_allowed_kind(kind: object) -> bool:
+    """An entry of ``Admit.allowed_kinds``: an exact command kind (``exec.run``) or a
+    prefix (``exec.*``): lowercase dot-separated words of a-z, 0-9 and ``-``."""
+    return (
+        isinstance(kind, str) and len(kind) <= ALLOWED_KIND_MAX and bool(_ALLOWED_KIND.match(kind))
+    )
+
+
+def kind_allowed(allowed_kinds: tuple[str, ...] | list[str], kind: str) -> bool:
+    """Whether a certificate restricted to ``allowed_kinds`` accepts command ``kind``.
+
+    No restriction (an empty list) accepts every kind; ``a.*`` accepts ``a.b`` and
+    ``a.b.c`` but not ``a`` itself.
+    """
+    if not allowed_kinds:
+        return True
+    for entry in allowed_kinds:
+        if entry.endswith(".*"):
+            if kind.startswith(entry[:-1]):
+                return True
+        elif kind == entry:
+            return True
+    return False
 
 
 # --- the hookspecs: the contract ---------------------------------------------------

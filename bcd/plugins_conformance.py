@@ -41,13 +41,16 @@ from bcd.plugins import (
     AttestorSpec,
     Challenge,
     ChallengeRecord,
+    NodeCertRecord,
     NodeEvidence,
     NodeJoinContext,
+    NodeRecord,
     PoolRecord,
     Refuse,
     ServerJoinContext,
     TokenRecord,
     Verdict,
+    VouchRecord,
 )
 
 ATTESTOR_HOOKS = ("bcd_node_evidence", "bcd_node_answer", "bcd_server_verify")
@@ -59,16 +62,20 @@ _NOT_FOUND = object()
 class ConformanceContext:
     """A minimal :class:`~bcd.plugins.ServerJoinContext` held in memory.
 
-    ``tokens``, ``pools`` and ``challenges`` are what the lookups find; ``consumed``
-    records what the server half consumed (``("token", id)`` or ``("challenge", id)``).
+    ``tokens``, ``pools``, ``challenges``, ``nodes`` (by hardware key) and ``vouches``
+    (by site and MAC) are what the lookups find; ``consumed`` records what the server
+    half consumed (``("token", id)``, ``("challenge", id)`` or ``("vouch", id)``).
     """
 
     now_ms: int = field(default_factory=lambda: int(time.time() * 1000))
     seal: wire.OpenedSeal | None = None
     settings: Mapping[str, str] = field(default_factory=dict)
+    peer_ip: str | None = None
     tokens: dict[str, TokenRecord] = field(default_factory=dict)
     pools: dict[str, PoolRecord] = field(default_factory=dict)
     challenges: dict[str, ChallengeRecord] = field(default_factory=dict)
+    nodes: dict[str, NodeRecord] = field(default_factory=dict)
+    vouches: dict[tuple[str, str], VouchRecord] = field(default_factory=dict)
     consumed: list[tuple[str, str]] = field(default_factory=list)
     attestor: str = ""
     _ids: itertools.count[int] = field(default_factory=lambda: itertools.count(1))
@@ -110,9 +117,21 @@ class ConformanceContext:
     def consume_challenge(self, challenge_id: str) -> None:
         self.consumed.append(("challenge", challenge_id))
 
+    def lookup_node_cert(self, der: bytes) -> NodeCertRecord | None:
+        return None
+
     def lookup_join_request(self, machine_key: str) -> None:
         """No join request is ever found here."""
         return None
+
+    def lookup_node_by_hardware_key(self, hardware_key: str) -> NodeRecord | None:
+        return self.nodes.get(hardware_key)
+
+    def lookup_vouch(self, site_id: str, mac: str) -> VouchRecord | None:
+        return self.vouches.get((site_id, mac))
+
+    def consume_vouch(self, vouch_id: str) -> None:
+        self.consumed.append(("vouch", vouch_id))
 
 
 def minimal_node_context(**overrides: Any) -> NodeJoinContext:

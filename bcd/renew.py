@@ -44,7 +44,7 @@ from bcd.config import Config, TpmMode
 from bcd.errors import BcdError, CertificateRevoked, IdentityError, JoinError, RetryableError
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
-from bcd.httpclient import Response, request
+from bcd.httpclient import Response
 from bcd.identity import (
     RENEWAL_STEPS,
     TPM_NODE_UNSUPPORTED,
@@ -61,7 +61,7 @@ from bcd.identity import (
 )
 from bcd.join import check_issued, verify_signed
 from bcd.keys.file import generate_file_key, key_to_pem
-from bcd.session import open_gateway
+from bcd.session import post_as_node
 from bcd.tpm.attestation import KeyAttestation, ak_statement, ak_statements
 from bcd.tpm.record import NodeKeyRecord, create_node_key_record
 
@@ -481,19 +481,7 @@ def gateway_renew_sender(cfg: Config, state: AnyState, tpm: HelperKeys | None = 
     """
 
     async def send(body: bytes) -> str:
-        stream = await open_gateway(cfg, state, tpm)
-        try:
-            resp = await request(
-                stream,
-                "POST",
-                RENEW_PATH,
-                cfg.server_name,
-                body,
-                headers=[("content-type", "application/json")],
-            )
-        finally:
-            await trio.aclose_forcefully(stream)
-        return renew_answer(resp)
+        return renew_answer(await post_as_node(cfg, state, tpm, RENEW_PATH, body))
 
     return send
 

@@ -25,7 +25,7 @@ from bcd.config import Config, gateway_host_port
 from bcd.errors import CertificateRevoked, TransportError
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
-from bcd.httpclient import open_lines
+from bcd.httpclient import Response, open_lines, request
 from bcd.identity import AnyState, LoadedTpmState
 from bcd.keys.file import key_to_pem
 from bcd.tls import connect_pinned
@@ -69,6 +69,24 @@ async def open_gateway(
     return await connect_pinned(
         host, port, cfg.server_name, cfg.serving_ca_spki_pin, client_cert=client_cert
     )
+
+
+async def post_as_node(
+    cfg: Config, state: AnyState, tpm: HelperKeys | None, path: str, body: bytes
+) -> Response:
+    """One JSON ``POST`` to the gateway over mutual TLS as ``state``'s identity."""
+    stream = await open_gateway(cfg, state, tpm)
+    try:
+        return await request(
+            stream,
+            "POST",
+            path,
+            cfg.server_name,
+            body,
+            headers=[("content-type", "application/json")],
+        )
+    finally:
+        await trio.aclose_forcefully(stream)
 
 
 async def _one_session(

@@ -11,12 +11,13 @@ import logging
 import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import trio
 
 from bcd import __version__, wire
-from control import events, joinrequests, nodes, tenancy, tokens
+from control import downloads, events, joinrequests, nodes, tenancy, tokens
 from control.errors import ControlError, invalid
 from control.http import Request, Response, error_response, json_response
 from control.store import Store, Tx
@@ -35,6 +36,8 @@ class App:
     limiter: trio.CapacityLimiter
     on_revocation: Callable[[], None] = lambda: None
     """Called after a revocation made through this API (the gateway looks at once)."""
+    downloads: Path | None = None
+    """``serve --downloads DIR``: the bcd artifacts served under /downloads (control.downloads)."""
 
     async def run(self, fn: Callable[[Tx], T]) -> T:
         def work() -> T:
@@ -58,6 +61,8 @@ class App:
         path = path[len(BASE_PATH) :]
         if path == "/.well-known/better-compute" and req.method == "GET":
             return json_response(200, self.well_known())
+        if path.startswith(downloads.PREFIX):
+            return await downloads.serve_download(self.downloads, req.method, path)
         m = re.fullmatch(r"/v1/tenants/([a-z]+_[0-9a-z]{26})(/.*)", path)
         if not m:
             raise ControlError("NOT_FOUND", "no such path")

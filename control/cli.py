@@ -121,6 +121,61 @@ def cmd_pki_pins(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pki_rotate_join_key(args: argparse.Namespace) -> int:
+    from control import pki
+
+    secret = _secret()
+    directory = _home(args) / "pki"
+    try:
+        retired = pki.rotate_join_encryption_key(directory, secret, _now())
+        loaded = pki.load_pki(directory, secret)
+    except pki.PkiSetupError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+    print(f"a new join encryption key is in {directory}; the old one is kept as {retired.name}")
+    print(f'join_encryption_key_pin = "{loaded.pins()["join_encryption_key_pin"]}"')
+    print(
+        "restart better-compute serve to use it, then generate every install script again "
+        "(better-compute daemon install-script): old scripts and join-encryption.jwk files no "
+        "longer match; joined nodes are not affected"
+    )
+    return 0
+
+
+def cmd_daemon_install_script(args: argparse.Namespace) -> int:
+    from control import installscript, pki
+
+    try:
+        loaded = pki.load_pki(_home(args) / "pki", _secret())
+    except pki.PkiSetupError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+    jwk = loaded.well_known_join()["encryptionJwk"]
+    assert isinstance(jwk, dict)
+    try:
+        values = installscript.build_values(
+            pool=args.pool,
+            site=args.site,
+            gateway_url=args.gateway_url,
+            base_url=args.base_url,
+            bcd_version=args.bcd_version,
+            sha256=args.sha256,
+            pins=loaded.pins(),
+            join_jwk=jwk,
+            server_name=args.server_name,
+        )
+        script = installscript.render(values)
+    except installscript.InstallScriptError as exc:
+        raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
+    if args.out:
+        try:
+            installscript.write_script(Path(args.out), script)
+        except OSError as exc:
+            raise ControlError("INVALID_ARGUMENT", f"--out {args.out}: {exc.strerror}") from exc
+        print(f"install script for pool {values.pool} (site {values.site}) written to {args.out}")
+    else:
+        sys.stdout.write(script)
+    return 0
+
+
 # --- serve and bootstrap ----------------------------------------------------------------
 
 
@@ -138,6 +193,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         secret=_secret(),
         cert_ttl_s=args.cert_ttl_seconds,
         attestor_settings=_attestor_settings(args),
+        downloads=Path(args.downloads) if args.downloads else None,
     )
 
 
@@ -155,10 +211,13 @@ def _attestor_settings(args: argparse.Namespace) -> dict[str, str]:
         ("tpm_ek_ca", "tpm.ek_ca"),
         ("tpm_ek_allow", "tpm.ek_allow"),
         ("tpm_pool", "tpm.pool"),
+        ("discovery_pool", "discovery.pool"),
+        ("x509pop_ca", "x509pop.ca"),
     ):
-        value = getattr(args, flag)
+        value = getattr(args, flag, None)
         if value:
-            settings[name] = str(Path(value).absolute()) if flag != "tpm_pool" else value
+            is_file = flag in ("tpm_ek_ca", "tpm_ek_allow", "x509pop_ca")
+            settings[name] = str(Path(value).absolute()) if is_file else value
     return settings
 
 
@@ -449,6 +508,9 @@ def cmd_nodes_show(args: argparse.Namespace) -> int:
             print(
                 f"  cert {c['serial']}  gen {c['identityGeneration']}  until {c['notAfter']}  {state}"
             )
+            kinds = c.get("allowedKinds") or []
+            if kinds:
+                print(f"    allowed kinds: {', '.join(kinds)}")
     return 0
 
 
@@ -520,6 +582,27 @@ def build_parser() -> argparse.ArgumentParser:
     p = verb(pki_group, "issue-gateway", cmd_pki_issue_gateway)
     p.add_argument("--san", required=True, help="the gateway's DNS name or IP address")
     verb(pki_group, "pins", cmd_pki_pins)
+    verb(pki_group, "rotate-join-key", cmd_pki_rotate_join_key)
+
+    daemon = sub.add_parser("daemon").add_subparsers(
+        dest="verb", required=True, parser_class=_Parser
+    )
+    p = verb(daemon, "install-script", cmd_daemon_install_script)
+    p.add_argument("--pool", required=True, help="the pool the machines join (pool_…)")
+    p.add_argument("--site", required=True, help="the site written to config.toml (site_…)")
+    p.add_argument("--gateway-url", required=True, help="https://host[:port] the nodes dial")
+    p.add_argument("--server-name", help="the gateway certificate's name, if not the URL's host")
+    p.add_argument(
+        "--base-url",
+        required=True,
+        help="the control plane, https://host[:port] (http:// only on loopback); the "
+        "artifact is fetched from BASE/api/compute/downloads/bcd/<version>/linux-<arch>",
+    )
+    p.add_argument("--bcd-version", required=True, help="the bcd version to install")
+    p.add_argument(
+        "--sha256", required=True, metavar="amd64=HEX,arm64=HEX", help="each artifact's SHA-256"
+    )
+    p.add_argument("--out", help="write the script to this file (mode 0755) instead of stdout")
 
     p = verb(sub, "serve", cmd_serve, db=True)
     p.add_argument("--api-listen", default="127.0.0.1:8080")
@@ -531,6 +614,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--gateway-url", help="the gateway URL nodes dial, published in the well-known document"
     )
     p.add_argument("--ready-file", help="write the bound addresses here as JSON once serving")
+    p.add_argument(
+        "--downloads",
+        metavar="DIR",
+        help="serve DIR/bcd/<version>/linux-<arch> at /api/compute/downloads/bcd/<version>/"
+        "linux-<arch> (unauthenticated; packaging/build_artifact.py --out DIR)",
+    )
     p.add_argument(
         "--cert-ttl-seconds",
         type=_cert_ttl,
@@ -549,6 +638,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="tpm attestor: EK allow-list, one hex SHA-256 of an EK public area a line",
     )
     p.add_argument("--tpm-pool", metavar="POOL", help="tpm attestor: the pool TPM joins go to")
+    p.add_argument(
+        "--x509pop-ca",
+        metavar="FILE",
+        help="x509pop attestor: PEM bundle the re-joining nodes' certificates chain to "
+        "(normally pki/node-root-ca.crt); unset, x509pop refuses every join",
+    )
+    p.add_argument(
+        "--discovery-pool",
+        metavar="POOL",
+        help="discovery attestor: the pool machines a site agent vouched for join",
+    )
     p.add_argument(
         "--attestor-setting",
         action="append",

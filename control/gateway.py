@@ -6,6 +6,8 @@ and the application decides (STACK-NOTES): a certificate that is not a live
 node_certs row — unknown, revoked, expired — is answered UNAUTHENTICATED before
 anything else, at renew and at session open. Renewals are limited to 6 per node and
 hour (RESOURCE_EXHAUSTED with ``retry-pushback-ms``).
+``POST /v1/discovery/vouch`` takes a site agent's vouch for a machine that booted
+on its site (:mod:`control.discovery`), with the same client-certificate check.
 
 A session is the gateway's stream of JSON lines: a welcome, a ping every 15 s, and
 the RevocationNotice when the certificate it was opened with is revoked; the
@@ -16,6 +18,7 @@ gateway does, so a revocation made through any replica reaches every session).
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import logging
 import secrets
@@ -26,7 +29,7 @@ from typing import Any, TypeVar
 import trio
 
 from bcd import wire
-from control import renewal
+from control import discovery, renewal
 from control.errors import ControlError, Refused
 from control.http import Request, Response, error_response
 from control.joinservice import JoinService
@@ -78,6 +81,8 @@ class Gateway:
                 return await self._renew(req)
             if req.method == "POST" and req.path == "/v1/session":
                 return await self._session(req)
+            if req.method == "POST" and req.path == discovery.VOUCH_PATH:
+                return await self._vouch(req)
         except Refused as exc:
             return error_response("ACCESS_DENIED", exc.message)
         except ControlError as exc:
@@ -88,9 +93,8 @@ class Gateway:
         return error_response("NOT_FOUND", "no such path")
 
     async def _join(self, req: Request) -> Response:
-        signed = await trio.to_thread.run_sync(
-            self.joinservice.join, req.body, limiter=self.limiter
-        )
+        join = functools.partial(self.joinservice.join, req.body, peer_ip=peer_host(req.remote))
+        signed = await trio.to_thread.run_sync(join, limiter=self.limiter)
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
 
     async def _peer(self, req: Request) -> tuple[str, str]:
@@ -115,6 +119,16 @@ class Gateway:
             self.renewservice.renew, req.body, req.peer_cert_der, limiter=self.limiter
         )
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
+
+    async def _vouch(self, req: Request) -> Response:
+        """A site agent vouches for a machine that booted on its site (discovery)."""
+        node_id, _serial = await self._peer(req)
+        try:
+            vouch = discovery.parse_vouch(wire.loads_object(req.body))
+        except wire.WireError as exc:
+            raise ControlError("INVALID_ARGUMENT", f"malformed vouch: {exc}") from exc
+        answer = await self._run(lambda tx: discovery.record_vouch(tx, node_id, vouch))
+        return Response(200, wire.dumps(answer), [("content-type", "application/json")])
 
     async def _session(self, req: Request) -> Response:
         node_id, serial = await self._peer(req)
@@ -206,6 +220,15 @@ class Gateway:
             for serial, at in list(seen.items()):
                 if at < mark - 1000:
                     del seen[serial]
+
+
+def peer_host(remote: str) -> str | None:
+    """The normalised IP address of ``host:port`` / ``[v6]:port`` (None if it is not one)."""
+    host = remote.rpartition(":")[0].strip("[]")
+    try:
+        return str(ipaddress.ip_address(host))
+    except ValueError:
+        return None
 
 
 def _line(obj: dict[str, Any]) -> bytes:

@@ -45,14 +45,18 @@ from bcd.plugins import (
     ChallengeRecord,
     Defer,
     JoinRequestRecord,
+    NodeCertRecord,
+    NodeRecord,
     Plugins,
     PoolRecord,
     Refuse,
     TokenRecord,
+    VouchRecord,
     canonical_name,
+    valid_allowed_kind,
     wire_name,
 )
-from control import events, joinrequests, tenancy
+from control import discovery, events, joinrequests, tenancy
 from control.errors import ControlError, Refused, StoreConflict, invalid
 from control.ids import new_id
 from control.store import Store, Tx
@@ -104,6 +108,7 @@ class _Ctx:
         attestor: str,
         settings: Mapping[str, str],
         csr_sha256: str,
+        peer_ip: str | None = None,
     ) -> None:
         self._tx = tx
         self._attestor = attestor
@@ -111,6 +116,7 @@ class _Ctx:
         self.now_ms = tx.now_ms()
         self.seal = seal
         self.settings = settings
+        self.peer_ip = peer_ip
 
     def lookup_pool(self, pool_id: str) -> PoolRecord | None:
         row = self._tx.one("SELECT * FROM pools WHERE id = ?", (pool_id,))
@@ -178,9 +184,61 @@ class _Ctx:
         if changed != 1:  # pragma: no cover - the row is locked and was checked
             raise ControlError("CONFLICT", CONCURRENT)
 
+    def lookup_node_by_hardware_key(self, hardware_key: str) -> NodeRecord | None:
+        row = self._tx.one(
+            "SELECT * FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1",
+            (hardware_key,),
+        )
+        if row is None:
+            return None
+        return NodeRecord(
+            node_id=row["id"],
+            tenant_id=row["tenant_id"],
+            site_id=row["site_id"],
+            pool_id=row["pool_id"],
+            role=row["role"],
+            identity_generation=int(row["identity_generation"]),
+            retired=row["retired_at"] is not None,
+        )
+
+    def lookup_vouch(self, site_id: str, mac: str) -> VouchRecord | None:
+        return discovery.lock_vouch(self._tx, site_id, mac)
+
+    def consume_vouch(self, vouch_id: str) -> None:
+        discovery.consume_vouch(self._tx, vouch_id)
+
     def lookup_join_request(self, machine_key: str) -> JoinRequestRecord | None:
         row = joinrequests.lock_for_csr(self._tx, self._attestor, machine_key, self._csr_sha256)
         return None if row is None else joinrequests.as_record(row, self.now_ms)
+
+    def lookup_node_cert(self, der: bytes) -> NodeCertRecord | None:
+        try:
+            serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
+        except (ValueError, x509.InvalidVersion):
+            return None
+        row = self._tx.one("SELECT * FROM node_certs WHERE serial = ?", (serial,))
+        if row is None or base64.b64decode(row["der"]) != der:
+            return None
+        node = self._tx.one("SELECT * FROM nodes WHERE id = ?", (row["node_id"],))
+        if node is None:
+            return None
+        return NodeCertRecord(
+            serial=str(row["serial"]),
+            node_id=str(node["id"]),
+            tenant_id=str(node["tenant_id"]),
+            site_id=str(node["site_id"]),
+            pool_id=str(node["pool_id"]),
+            role=str(row["role"]),
+            node_role=str(node["role"]),
+            identity_generation=int(row["identity_generation"]),
+            node_generation=int(node["identity_generation"]),
+            statements=tuple(json.loads(row["statements"])),
+            allowed_kinds=tuple(json.loads(row["allowed_kinds"])),
+            not_after_ms=int(row["not_after"]),
+            spki_sha256=str(row["spki_sha256"]),
+            revoked=row["revoked_at"] is not None,
+            node_retired=node["retired_at"] is not None,
+        )
 
     def lock_join_token(self, token_id: str) -> TokenRecord | None:
         row = self._tx.one(
@@ -220,6 +278,7 @@ class _Attempt:
     hw: hardware.HardwareKey
     seal: wire.OpenedSeal | None
     seal_error: str | None
+    peer_ip: str | None = None
 
 
 class JoinService:
@@ -235,8 +294,11 @@ class JoinService:
         self.plugins = plugins
         self.settings: Mapping[str, str] = dict(settings or {})
 
-    def join(self, body: bytes) -> str:
-        """Judge one JoinRequest body; return the SignedResponse or raise ControlError."""
+    def join(self, body: bytes, peer_ip: str | None = None) -> str:
+        """Judge one JoinRequest body; return the SignedResponse or raise ControlError.
+
+        ``peer_ip`` is the address the gateway saw the request come from (None when
+        there is none, e.g. in process); attestors may compare it (discovery)."""
         crypto = self.crypto
         if crypto is None:
             raise ControlError("INVALID_CONFIG", "JoinService has no pki.join configuration")
@@ -244,7 +306,7 @@ class JoinService:
             request = wire.parse_join_request(wire.loads_object(body))
         except wire.WireError as exc:
             raise invalid(f"malformed join request: {exc}") from exc
-        attempt = self._prepare(request, crypto)
+        attempt = dataclasses.replace(self._prepare(request, crypto), peer_ip=peer_ip)
         try:
             with self.store.tx() as tx:
                 return self._admit(tx, attempt, crypto)
@@ -289,7 +351,14 @@ class JoinService:
                 raise self._refuse(attempt, "seal-stale")
         if attempt.attestor not in self.plugins.names():
             raise self._refuse(attempt, "attestor-unknown")
-        ctx = _Ctx(tx, attempt.seal, attempt.attestor, self.settings, attempt.csr_sha256)
+        ctx = _Ctx(
+            tx,
+            attempt.seal,
+            attempt.attestor,
+            self.settings,
+            attempt.csr_sha256,
+            attempt.peer_ip,
+        )
         try:
             verdict = self.plugins.server_verify(attempt.attestor, request, ctx)
         except (ControlError, StoreConflict):
@@ -320,8 +389,11 @@ class JoinService:
         pool = tx.one("SELECT * FROM pools WHERE id = ?", (defer.pool_id,))
         if pool is None:
             raise self._refuse(attempt, "pool-unknown")
-        row = joinrequests.lock_for_csr(tx, attempt.attestor, defer.machine_key, attempt.csr_sha256)
         tenant = str(pool["tenant_id"])
+        allowed = json.loads(pool["policy"]).get("joinAttestors")
+        if isinstance(allowed, list) and attempt.attestor not in allowed:
+            raise self._refuse(attempt, "pool-attestor", tenant)  # no request a person can't use
+        row = joinrequests.lock_for_csr(tx, attempt.attestor, defer.machine_key, attempt.csr_sha256)
         if row is not None and row["state"] == "rejected":
             raise self._refuse(attempt, "request-rejected", tenant)
         if row is not None and row["state"] == "approved":
@@ -381,6 +453,11 @@ class JoinService:
                 has_uuid_or_serial=True,
                 kinds=frozenset({attempt.attestor}),
             )
+        if not isinstance(admit.allowed_kinds, tuple) or not all(
+            valid_allowed_kind(k) for k in admit.allowed_kinds
+        ):
+            log.error("attestor %s admitted with malformed allowed kinds", attempt.attestor)
+            raise self._refuse(attempt, "plugin-error", tenant)
         try:
             csr = pki.parse_csr(request.csr_der)
         except pki.PkiError:
@@ -391,7 +468,11 @@ class JoinService:
         if attempt.attestor == JOIN_TOKEN and placeholder and not admit.expect:
             raise self._refuse(attempt, "placeholder-hardware", tenant)
         existing = None
-        if hw.trusted and hw.hex is not None:
+        if admit.node_id is not None:  # a re-join of exactly this node (x509pop)
+            existing = tx.one("SELECT * FROM nodes WHERE id = ?" + tx.for_update, (admit.node_id,))
+            if existing is None:
+                raise self._refuse(attempt, "reclaim", tenant)
+        elif hw.trusted and hw.hex is not None:
             existing = tx.one(
                 "SELECT * FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1"
                 + tx.for_update,
@@ -406,7 +487,8 @@ class JoinService:
                 and existing["pool_id"] == admit.pool_id
                 and existing["role"] in (admit.role, role)
             )
-            if not (admit.allow_reclaim and same_home) or existing["retired_at"] is not None:
+            may_reclaim = admit.allow_reclaim or admit.node_id is not None
+            if not (may_reclaim and same_home) or existing["retired_at"] is not None:
                 raise self._refuse(attempt, "reclaim", tenant)
             if admit.statements and not _latest_statements_are(tx, existing["id"], admit):
                 raise self._refuse(attempt, "reclaim", tenant)
@@ -470,7 +552,9 @@ class JoinService:
                     node_id,
                 ),
             )
-            revoke_node_certs(tx, tenant, node_id, "reclaimed")
+            revoke_node_certs(
+                tx, tenant, node_id, "rejoined" if admit.node_id is not None else "reclaimed"
+            )
         spiffe = pki.SpiffeId(crypto.trust_domain, admit.site_id, node_id)
         leaf, info = issue_recorded_leaf(
             tx,
@@ -495,6 +579,8 @@ class JoinService:
         }
         if admit.join_request_id is not None:
             payload["joinRequestId"] = admit.join_request_id
+        if admit.node_id is not None:
+            payload["rejoin"] = True
         events.publish(tx, tenant, "node.joined", payload)
         events.audit(tx, tenant, "node.reclaimed" if reclaim else "node.joined", node_id, payload)
         return signed_identity(

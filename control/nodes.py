@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any
 
@@ -20,7 +21,8 @@ def show_node(tx: Tx, tenant_id: str, node_id: str) -> dict[str, Any]:
         raise not_found("no such node")
     certs = tx.query(
         "SELECT serial, identity_generation, role, not_before, not_after, revoked_at, "
-        "revoke_reason FROM node_certs WHERE node_id = ? ORDER BY created_at",
+        "revoke_reason, statements, allowed_kinds FROM node_certs WHERE node_id = ? "
+        "ORDER BY created_at",
         (node_id,),
     )
     return {
@@ -34,6 +36,8 @@ def show_node(tx: Tx, tenant_id: str, node_id: str) -> dict[str, Any]:
                 "notAfter": iso(c["not_after"]),
                 "revoked": c["revoked_at"] is not None,
                 "revokeReason": c["revoke_reason"],
+                "statements": json.loads(c["statements"]),
+                "allowedKinds": json.loads(c["allowed_kinds"]),
             }
             for c in certs
         ],

@@ -535,6 +535,29 @@ def load_pki(directory: Path, secret: bytes) -> Pki:
     return _assemble(trust_domain, trust_version, created, certs, [*keys, encryption_key])
 
 
+def rotate_join_encryption_key(directory: Path, secret: bytes, now: datetime) -> Path:
+    """``better-compute pki rotate-join-key``: a new JoinService encryption key.
+
+    The PKI must load first. The old key is kept (still encrypted) as
+    ``join-encryption.key.retired-<unix time>``, then the new one replaces
+    ``join-encryption.key`` atomically. ``serve`` reads it at start: until it restarts
+    it keeps the old key; after, tokens sealed to the old key no longer open, so every
+    install script must be generated again (it carries the key and its pin). Joined
+    nodes are not affected: the key only seals join tokens. Returns the retired file.
+    """
+    load_pki(directory, secret)
+    current = directory / "join-encryption.key"
+    retired = directory / f"join-encryption.key.retired-{int(_utc(now).timestamp())}"
+    try:
+        fs.create_new(retired, current.read_bytes(), 0o600)
+        fs.atomic_write(current, _key_bytes(generate_key(), secret), 0o600)
+    except FileExistsError:
+        raise PkiSetupError(f"{retired.name} exists; rotate again in a second") from None
+    except OSError as exc:
+        raise PkiSetupError(f"cannot rotate the join key in {directory}: {exc.strerror}") from exc
+    return retired
+
+
 def gateway_paths(directory: Path, san: str) -> tuple[Path, Path]:
     """(chain, key) paths of the gateway certificate for ``san`` (normalised)."""
     name = _san_text(normalise_san(san))

@@ -14,8 +14,10 @@ from typing import Any
 import trio
 from cryptography import x509
 
+from attestors.discovery import check_settings as check_discovery_settings
 from bcd import fs
 from bcd.plugins import load_plugins
+from bcd.systemd import under_journald
 from control import pki
 from control.api import App
 from control.errors import ControlError
@@ -63,6 +65,16 @@ def check_tpm_settings(settings: Mapping[str, str]) -> None:
         raise ControlError("INVALID_CONFIG", "the tpm attestor needs --tpm-pool POOL")
 
 
+def check_x509pop_settings(settings: Mapping[str, str]) -> None:
+    """Fail at start when x509pop's CA bundle or its max_expired_s is unusable."""
+    from attestors.x509pop import check_settings
+
+    try:
+        check_settings(settings)
+    except ValueError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+
+
 def _split(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
@@ -82,12 +94,15 @@ def main(
     secret: bytes,
     cert_ttl_s: int = CERT_TTL_MAX_S,
     attestor_settings: Mapping[str, str] | None = None,
+    downloads: Path | None = None,
 ) -> int:
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
+    # Under journald the journal stamps each line: no second timestamp (bcd.systemd).
+    log_format = "%(levelname)s %(name)s: %(message)s"
+    if not under_journald(sys.stderr):
+        log_format = "%(asctime)s " + log_format
+    logging.basicConfig(level=logging.INFO, format=log_format, stream=sys.stderr)
+    if downloads is not None and not downloads.is_dir():
+        raise ControlError("INVALID_CONFIG", f"--downloads {downloads}: not a directory")
     pki_dir = home / "pki"
     crypto: JoinCrypto | None = None
     well_known_join: dict[str, Any] | None = None
@@ -102,6 +117,10 @@ def main(
     ssl_ctx = pki.server_ssl_context(chain_pem, gw_key, client_ca_pem=node_ca_pem)
     settings = dict(attestor_settings or {})
     check_tpm_settings(settings)
+    check_x509pop_settings(settings)
+    discovery_problem = check_discovery_settings(settings)
+    if discovery_problem is not None:
+        raise ControlError("INVALID_CONFIG", discovery_problem)
     store = open_store(db_url)
     store.migrate()
     plugins = load_plugins()
@@ -123,6 +142,7 @@ def main(
         gateway=gateway_doc,
         limiter=limiter,
         on_revocation=gateway.poke,
+        downloads=downloads.absolute() if downloads is not None else None,
     )
     api_host, api_port = _split(api_listen)
     gw_host, gw_port = _split(gateway_listen)

@@ -216,6 +216,37 @@ class ControlPlane:
             return tx.one(sql, params)
 
 
+def root_site_store(
+    tmp_path: Path, site_name: str, *pools: tuple[str, dict[str, Any]]
+) -> tuple[str, str, list[str]]:
+    """A SQLite store under ``tmp_path`` with a root tenant, one site of it and ``pools``
+    (name, policy) there, made before ``serve`` starts (its flags name a pool).
+
+    Returns the database URL, the site id and the pool ids.
+    """
+    db_url = f"sqlite:///{tmp_path / 'store.db'}"
+    store = open_store(db_url)
+    store.migrate()
+    with store.tx() as tx:
+        root, _ = tenancy.create_tenant(tx, "platform", root=True)
+        site = str(tenancy.create_site(tx, root, site_name)["id"])
+        ids = [
+            str(tenancy.create_pool(tx, root, site, name, "bcd", policy)["id"])
+            for name, policy in pools
+        ]
+    store.close()
+    return db_url, site, ids
+
+
+def start_in(
+    tmp_path: Path, pki_template: Path, db_url: str, extra_args: Sequence[str]
+) -> ControlPlane:
+    """``ControlPlane.start`` with its home at ``tmp_path/cp``."""
+    home = tmp_path / "cp"
+    home.mkdir()
+    return ControlPlane.start(home, pki_template, db_url, extra_args=extra_args)
+
+
 @dataclass
 class Node:
     root: Path
@@ -251,6 +282,25 @@ class Node:
         if config:
             argv += ["--config", str(self.config)]
         return run(argv, input=input, env=cli_env(self.root, secret=False))
+
+    def spawn_join(self, *extra: str) -> subprocess.Popen[str]:
+        """``bcd join`` without a token, left running (it may wait on a join request)."""
+        return subprocess.Popen(
+            [
+                str(BIN / "bcd"),
+                "join",
+                "--sysfs-root",
+                str(self.sysfs),
+                *extra,
+                "--config",
+                str(self.config),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=cli_env(self.root, secret=False),
+        )
 
     def join(self, token: str | None, *extra: str) -> subprocess.CompletedProcess[str]:
         return self.bcd(

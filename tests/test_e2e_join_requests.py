@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import BIN, cli_env
 from tests.swtpm import SwTpm
 from tests.test_e2e_tpm import JOINED, _start, _tpm_node
 
@@ -33,23 +32,7 @@ def test_a_tpm_enrollment_waits_for_approval_then_joins(
     try:
         tenant = cp.root_tenant
         node = _tpm_node(tmp_path / "node", cp, site, swtpm)
-        agent = subprocess.Popen(
-            [
-                str(BIN / "bcd"),
-                "join",
-                "--sysfs-root",
-                str(node.sysfs),
-                "--attestor",
-                "tpm",
-                "--config",
-                str(node.config),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=cli_env(node.root, secret=False),
-        )
+        agent = node.spawn_join("--attestor", "tpm")
         deadline = time.monotonic() + 30
         row = None
         while row is None:

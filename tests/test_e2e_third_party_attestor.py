@@ -12,9 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from control import tenancy
-from control.store import open_store
-from tests.e2e import ControlPlane, Node
+from tests.e2e import ControlPlane, Node, root_site_store, start_in
 
 pytestmark = pytest.mark.e2e
 
@@ -38,21 +36,12 @@ def test_the_example_attestor_is_installed_as_a_separate_distribution() -> None:
 def serial_control_plane(
     tmp_path: Path, pki_template: Path
 ) -> Iterator[tuple[ControlPlane, str, str]]:
-    db_url = f"sqlite:///{tmp_path / 'store.db'}"
-    store = open_store(db_url)
-    store.migrate()
-    with store.tx() as tx:
-        root, _ = tenancy.create_tenant(tx, "platform", root=True)
-        site = str(tenancy.create_site(tx, root, "rack-s1")["id"])
-        pool = str(tenancy.create_pool(tx, root, site, "serials", "bcd", {})["id"])
-    store.close()
-    home = tmp_path / "cp"
-    home.mkdir()
-    cp = ControlPlane.start(
-        home,
+    db_url, site, (pool,) = root_site_store(tmp_path, "rack-s1", ("serials", {}))
+    cp = start_in(
+        tmp_path,
         pki_template,
         db_url,
-        extra_args=[
+        [
             "--attestor-setting",
             f"{NAME}.pool={pool}",
             "--attestor-setting",

@@ -20,9 +20,7 @@ from bcd.identity import TPM_KEY_MISMATCH, TPM_NODE_UNSUPPORTED, load_state
 from bcd.tpm.ak import ak_public
 from bcd.tpm.device import open_tpm
 from bcd.tpm.record import NodeKeyRecord
-from control import tenancy
-from control.store import open_store
-from tests.e2e import BIN, ControlPlane, Node, cli_env
+from tests.e2e import BIN, ControlPlane, Node, cli_env, root_site_store, start_in
 from tests.swtpm import SwTpm
 
 pytestmark = pytest.mark.e2e
@@ -37,23 +35,11 @@ REFUSED_LINE = "bcd: the control plane refused the join (ACCESS_DENIED: Join ref
 def _start(
     tmp_path: Path, pki_template: Path, ek_ca: Path, extra: Sequence[str] = ()
 ) -> tuple[ControlPlane, str, str]:
-    db_url = f"sqlite:///{tmp_path / 'store.db'}"
-    store = open_store(db_url)
-    store.migrate()
-    with store.tx() as tx:
-        root, _ = tenancy.create_tenant(tx, "platform", root=True)
-        site = tenancy.create_site(tx, root, "rack-t1")["id"]
-        pool = tenancy.create_pool(tx, root, site, "tpm", "bcd", {})["id"]
-    store.close()
-    home = tmp_path / "cp"
-    home.mkdir()
-    cp = ControlPlane.start(
-        home,
-        pki_template,
-        db_url,
-        extra_args=["--tpm-ek-ca", str(ek_ca), "--tpm-pool", pool, *extra],
+    db_url, site, (pool,) = root_site_store(tmp_path, "rack-t1", ("tpm", {}))
+    cp = start_in(
+        tmp_path, pki_template, db_url, ["--tpm-ek-ca", str(ek_ca), "--tpm-pool", pool, *extra]
     )
-    return cp, str(site), str(pool)
+    return cp, site, pool
 
 
 @pytest.fixture

@@ -41,6 +41,7 @@ from typing import TypeVar
 
 import trio
 
+from bcd import systemd
 from bcd.config import Config, TpmMode
 from bcd.errors import BcdError
 from bcd.helper import HelperError
@@ -395,9 +396,11 @@ async def serve_helper(
 async def _main(settings: HelperSettings) -> None:
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
         async with trio.open_nursery() as nursery:
-            await nursery.start(serve_helper, settings)
+            socket_path = await nursery.start(serve_helper, settings)
+            systemd.notify("READY=1", f"STATUS=serving the TPM at {socket_path}")
             async for signum in signals:
                 log.info("received %s; stopping", signal.Signals(signum).name)
+                systemd.notify("STOPPING=1")
                 nursery.cancel_scope.cancel()
                 break
 

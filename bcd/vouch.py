@@ -1,0 +1,64 @@
+"""``bcd vouch``: a site agent vouches for a machine that booted on its site.
+
+Run on a site agent (a node joined with ``bcd join --role site``), typically from its
+DHCP or PXE server's hook when a machine takes a boot lease: ``POST
+/v1/discovery/vouch`` over mutual TLS with the site agent's own certificate, pinned
+to the serving CA like every gateway call. The machine can then join with ``bcd join
+--attestor discovery`` (see :mod:`attestors.discovery`).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+import trio
+
+from bcd import wire
+from bcd.config import Config
+from bcd.errors import BcdError, CertificateRevoked, JoinError, RetryableError
+from bcd.node import helper_keys, load_identity
+from bcd.session import post_as_node
+
+VOUCH_PATH = "/v1/discovery/vouch"
+
+
+def vouch_body(mac: str, boot_lease_epoch: int, ip: str | None, workflow_id: str | None) -> bytes:
+    body: dict[str, Any] = {"mac": mac, "boot_lease_epoch": boot_lease_epoch}
+    if ip:
+        body["ip"] = ip
+    if workflow_id:
+        body["workflow_id"] = workflow_id
+    return wire.dumps(body)
+
+
+def vouch_answer(status: int, body: bytes) -> dict[str, Any]:
+    """The gateway's answer: the stored vouch, or an error naming what went wrong."""
+    if status == 200:
+        try:
+            return wire.loads_object(body, 4096)
+        except wire.WireError as exc:
+            raise JoinError("the gateway's answer to the vouch is not JSON") from exc
+    err = wire.parse_error(body)
+    if err is None:
+        raise RetryableError(f"the gateway answered HTTP {status}")
+    if err.code == "UNAUTHENTICATED":
+        raise CertificateRevoked("this site agent's certificate is not live (revoked or expired)")
+    if err.code in wire.RETRYABLE:
+        raise RetryableError(f"{err.code}: {err.message}")
+    raise JoinError(f"the vouch was refused: {err.code}: {err.message}")
+
+
+async def vouch(
+    cfg: Config, mac: str, boot_lease_epoch: int, ip: str | None, workflow_id: str | None
+) -> dict[str, Any]:
+    tpm = helper_keys(cfg)
+    state = await trio.to_thread.run_sync(load_identity, cfg, datetime.now(UTC), tpm)
+    if state.identity.role != "site":
+        raise BcdError(
+            f"this node is a {state.identity.role}, not a site agent: only a node joined with "
+            "bcd join --role site may vouch for machines"
+        )
+    body = vouch_body(mac, boot_lease_epoch, ip, workflow_id)
+    resp = await post_as_node(cfg, state, tpm, VOUCH_PATH, body)
+    return vouch_answer(resp.status, resp.body)

@@ -1,0 +1,18 @@
+-- Discovery (issue 5): a site agent's word that a machine booted on its site. One
+-- row per site and MAC: a newer boot (boot_lease_epoch) replaces it, an older one
+-- is refused. used_at is set by the join it admitted (a vouch admits one join per
+-- boot); expires_at bounds how long after the boot it counts.
+CREATE TABLE discovery_vouches (
+  id TEXT PRIMARY KEY,
+  site_id TEXT NOT NULL REFERENCES sites (id),
+  mac TEXT NOT NULL,
+  ip TEXT,
+  workflow_id TEXT,
+  vouched_by TEXT NOT NULL,
+  boot_lease_epoch BIGINT NOT NULL,
+  created_at BIGINT NOT NULL,
+  updated_at BIGINT NOT NULL,
+  expires_at BIGINT NOT NULL,
+  used_at BIGINT
+);
+CREATE UNIQUE INDEX discovery_vouches_machine ON discovery_vouches (site_id, mac);

@@ -1,0 +1,251 @@
+"""End to end, discovery: a real `better-compute serve` with `--discovery-pool`, a site
+agent joined with `bcd join --role site` vouching with `bcd vouch`, and machines that
+join with `bcd join --attestor discovery` and no token: one waits, is approved with
+`better-compute join-requests approve` and joins; one is rejected; an approval is
+used twice at the real gateway; a machine nobody vouched for is refused."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import trio
+
+from bcd import pki, wire
+from tests.e2e import ControlPlane, Node, root_site_store, start_in
+from tests.test_e2e_bad_input import _post
+from tests.test_e2e_tpm import JOINED
+
+pytestmark = pytest.mark.e2e
+EPOCH = 1_764_400_000
+
+
+def _mac(node: Node) -> str:
+    return (node.sysfs / "sys" / "class" / "net" / "eth0" / "address").read_text().strip()
+
+
+def _start(tmp_path: Path, pki_template: Path) -> tuple[ControlPlane, str, str, str]:
+    db_url, site, (agents, pool) = root_site_store(
+        tmp_path,
+        "dc-1",
+        ("site-agents", {}),
+        ("discovered", {"joinAttestors": ["discovery"]}),
+    )
+    cp = start_in(
+        tmp_path,
+        pki_template,
+        db_url,
+        [
+            "--discovery-pool",
+            pool,
+            "--attestor-setting",
+            "discovery.allowed_kinds=inventory.read,deploy.*",
+            "--attestor-setting",
+            "discovery.match_ip=true",
+        ],
+    )
+    return cp, site, agents, pool
+
+
+def _request_of(cp: ControlPlane, agent: subprocess.Popen[str], mac: str) -> dict[str, Any]:
+    deadline = time.monotonic() + 30
+    while True:
+        assert agent.poll() is None, agent.communicate()
+        assert time.monotonic() < deadline, "no join request was recorded"
+        row = cp.one("SELECT * FROM join_requests WHERE mac = ?", (mac,))
+        if row is not None:
+            return row
+        time.sleep(0.1)
+
+
+def test_discovered_machines_wait_are_decided_and_join(tmp_path: Path, pki_template: Path) -> None:
+    cp, site, agents, pool = _start(tmp_path, pki_template)
+    waiting: list[subprocess.Popen[str]] = []
+    try:
+        tenant = cp.root_tenant
+        # the site agent joins with a site token
+        site_token = cp.token(agents, role="site")["token"]
+        site_agent = Node.make(tmp_path / "site-agent", cp, site, seed=1)
+        done = site_agent.join(site_token, "--role", "site")
+        assert done.returncode == 0, done.stderr
+        assert "role site" in done.stdout
+
+        # a machine nobody vouched for is refused with the uniform answer
+        stranger = Node.make(tmp_path / "stranger", cp, site, seed=9, write_jwk=False)
+        refused = stranger.join(None, "--attestor", "discovery")
+        assert refused.returncode != 0
+        assert "Join refused" in refused.stderr
+        reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+        assert "discovery:not-vouched" in reasons
+
+        # the site agent vouches for the machine that booted
+        machine = Node.make(tmp_path / "m1", cp, site, seed=2, write_jwk=False)
+        vouched = site_agent.bcd(
+            "vouch", "--mac", _mac(machine), "--boot-lease-epoch", str(EPOCH),
+            "--ip", "127.0.0.1", "--workflow-id", "pxe-42",
+        )  # fmt: skip
+        assert vouched.returncode == 0, vouched.stderr
+        assert vouched.stdout.startswith(f"vouched for {_mac(machine)} on site {site}")
+        bad = site_agent.bcd("vouch", "--mac", "not-a-mac", "--boot-lease-epoch", "1")
+        assert bad.returncode == 2
+        assert "is not a permanent, globally administered unicast MAC" in bad.stderr
+        older = site_agent.bcd("vouch", "--mac", _mac(machine), "--boot-lease-epoch", "5")
+        assert older.returncode != 0
+        assert "a newer boot" in older.stderr
+
+        # with discovery.match_ip, a join from another address than the vouched one fails
+        elsewhere = Node.make(tmp_path / "m4", cp, site, seed=4, write_jwk=False)
+        vouched = site_agent.bcd(
+            "vouch", "--mac", _mac(elsewhere), "--boot-lease-epoch", "3", "--ip", "10.9.9.9"
+        )
+        assert vouched.returncode == 0, vouched.stderr
+        done = elsewhere.join(None, "--attestor", "discovery")
+        assert done.returncode == 1
+        assert "Join refused" in done.stderr
+        reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+        assert "discovery:ip-mismatch" in reasons
+
+        # it waits on its join request
+        agent = machine.spawn_join("--attestor", "discovery")
+        waiting.append(agent)
+        row = _request_of(cp, agent, _mac(machine))
+        assert (row["state"], row["attestor"], row["pool_id"]) == ("pending", "discovery", pool)
+        listed = cp.cli("join-requests", "list", "--tenant", tenant, "--pool", pool, "--json")
+        assert listed.returncode == 0, listed.stderr
+        (item,) = json.loads(listed.stdout)["items"]
+        site_agent_id = json.loads((site_agent.data_dir / "identity.json").read_text())["node_id"]
+        assert (item["vouchedBy"], item["bootLeaseEpoch"]) == (site_agent_id, EPOCH)
+        assert (item["mac"], item["ip"], item["workflowId"]) == (
+            _mac(machine),
+            "127.0.0.1",
+            "pxe-42",
+        )
+        assert cp.one("SELECT COUNT(*) AS n FROM nodes WHERE pool_id = ?", (pool,)) == {"n": 0}
+
+        approved = cp.cli(
+            "join-requests", "approve", row["id"], "--tenant", tenant, "--pool", pool,
+            "--ttl", "600", "--reason", "rack B7 intake",
+        )  # fmt: skip
+        assert approved.returncode == 0, approved.stderr
+        out, err = agent.communicate(timeout=60)
+        assert agent.returncode == 0, err
+        assert f"waiting for approval of join request {row['id']}" in out
+        m = JOINED.match(out.strip().splitlines()[-1])
+        assert m, out
+        node_id = m.group(1)
+        shown = cp.cli("nodes", "show", node_id, "--tenant", tenant, "--json")
+        assert shown.returncode == 0, shown.stderr
+        node = json.loads(shown.stdout)
+        assert (node["poolId"], node["role"]) == (pool, "node")
+        assert node["certificates"][0]["allowedKinds"] == ["inventory.read", "deploy.*"]
+        text = cp.cli("nodes", "show", node_id, "--tenant", tenant)
+        assert "allowed kinds: inventory.read, deploy.*" in text.stdout
+        doctor = machine.bcd("doctor")
+        assert doctor.returncode == 0, doctor.stdout
+
+        # a second machine is rejected: its waiting join fails with the uniform refusal
+        other = Node.make(tmp_path / "m2", cp, site, seed=3, write_jwk=False)
+        assert (
+            site_agent.bcd(
+                "vouch", "--mac", _mac(other), "--boot-lease-epoch", "7", "--ip", "127.0.0.1"
+            ).returncode
+            == 0
+        )
+        agent2 = other.spawn_join("--attestor", "discovery")
+        waiting.append(agent2)
+        row2 = _request_of(cp, agent2, _mac(other))
+        rejected = cp.cli(
+            "join-requests", "reject", row2["id"], "--tenant", tenant, "--pool", pool,
+            "--reason", "unknown serial",
+        )  # fmt: skip
+        assert rejected.returncode == 0, rejected.stderr
+        _, err2 = agent2.communicate(timeout=60)
+        assert agent2.returncode == 1, err2
+        assert "Join refused" in err2
+        assert not (other.data_dir / "identity.json").exists()
+        reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+        assert "discovery:request-rejected" in reasons
+        (decision,) = cp.events(type_="security.join-request.rejected")
+        assert decision["reason"] == "unknown serial"
+    finally:
+        for proc in waiting:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        cp.stop()
+
+
+def test_an_approval_is_used_once_at_the_real_gateway(tmp_path: Path, pki_template: Path) -> None:
+    cp, site, agents, pool = _start(tmp_path, pki_template)
+    try:
+        site_agent = Node.make(tmp_path / "site-agent", cp, site, seed=1)
+        assert (
+            site_agent.join(cp.token(agents, role="site")["token"], "--role", "site").returncode
+            == 0
+        )
+        claims = wire.Claims(
+            product_uuid="4c4c4544-0042-3510-8052-b4c04f4d3799",
+            product_serial="SN-DISC-1",
+            macs=("00:1b:21:aa:bb:99",),
+        )
+        assert (
+            site_agent.bcd(
+                "vouch",
+                "--mac",
+                claims.macs[0],
+                "--boot-lease-epoch",
+                str(EPOCH),
+                "--ip",
+                "127.0.0.1",
+            ).returncode
+            == 0
+        )
+        key = pki.generate_key()
+        body = wire.dumps(
+            wire.JoinRequest(
+                role="node", attestor="discovery", sealed_token=None,
+                csr_der=pki.make_csr(key), claims=claims, evidence={}, node_id=None,
+                daemon_version="test",
+            ).to_json()
+        )  # fmt: skip
+        signing_pin = cp.pins()["join_signing_key_pin"]
+
+        pending = wire.verify_response(trio.run(_post_raw, cp, body), signing_pin)
+        assert pending["kind"] == "pending"
+        row = cp.one("SELECT id FROM join_requests")
+        assert row is not None
+        assert pending["request_id"] == row["id"]
+        approved = cp.cli(
+            "join-requests", "approve", row["id"], "--tenant", cp.root_tenant, "--pool", pool
+        )
+        assert approved.returncode == 0, approved.stderr
+
+        first = trio.run(_post_raw, cp, body)
+        joined = wire.verify_response(first, signing_pin)
+        assert joined["kind"] == "joined"
+        status, second = trio.run(_post, cp, body)
+        assert (status, second) == (403, {"code": "ACCESS_DENIED", "message": "Join refused"})
+        reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+        assert "discovery:request-consumed" in reasons
+        assert cp.one("SELECT COUNT(*) AS n FROM nodes WHERE pool_id = ?", (pool,)) == {"n": 1}
+    finally:
+        cp.stop()
+
+
+async def _post_raw(cp: ControlPlane, body: bytes) -> str:
+    from bcd.httpclient import request
+    from bcd.tls import connect_pinned
+
+    stream = await connect_pinned(
+        "127.0.0.1", cp.gateway_port, "127.0.0.1", cp.pins()["serving_ca_spki_pin"]
+    )
+    try:
+        resp = await request(stream, "POST", "/v1/join", "127.0.0.1", body)
+    finally:
+        await stream.aclose()
+    assert resp.status == 200, resp.body
+    return resp.body.decode("ascii")
