@@ -12,8 +12,9 @@ Server half, inside the join transaction, configured by ``better-compute serve
 ``--attestor-setting discovery.approval=unknown-machines|always`` (default
 ``unknown-machines``), optionally ``discovery.allowed_kinds`` (a comma list of
 command kinds, exact or ``prefix.*``, that the certificate accepts) and
-``discovery.match_ip=true`` (the join must come from the address the site agent
-vouched for, as the gateway sees it: for gateways that see site addresses unNATed):
+``discovery.match_ip`` (default ``true``: the join must come from the address the
+site agent vouched for, as the gateway sees it; ``false`` only where a NAT or proxy
+hides the site's addresses from the gateway):
 
 1. the role is ``node`` (a site agent joins with a site token, never by discovery);
 2. one of the claimed MACs has a vouch of a site agent of the pool's site (the
@@ -77,7 +78,7 @@ def check_settings(settings: Mapping[str, str]) -> str | None:
     approval = settings.get(SETTING_APPROVAL, APPROVALS[0])
     if approval not in APPROVALS:
         return f"discovery.approval must be one of {', '.join(APPROVALS)}, not {approval!r}"
-    if settings.get(SETTING_MATCH_IP, "false") not in ("true", "false"):
+    if settings.get(SETTING_MATCH_IP, "true") not in ("true", "false"):
         return "discovery.match_ip must be true or false"
     kinds = settings.get(SETTING_ALLOWED_KINDS)
     if kinds is not None and parse_allowed_kinds(kinds) is None:
@@ -108,6 +109,10 @@ def _newest_vouch(
         if vouch is not None and (found is None or vouch.expires_at_ms > found.expires_at_ms):
             found = vouch
     return found
+
+
+def _fresh(vouch: VouchRecord, now_ms: int) -> bool:
+    return not vouch.used and vouch.expires_at_ms > now_ms
 
 
 @hookimpl
@@ -144,7 +149,7 @@ def bcd_server_verify(
             pool_id=pool.pool_id,
             hardware_key=trusted,
             mac=mac,
-            ip=seen.ip if seen else None,
+            ip=ctx.peer_ip or (seen.ip if seen else None),  # where the join came from
             workflow_id=seen.workflow_id if seen else None,
             vouched_by=seen.vouched_by if seen else None,
             boot_lease_epoch=seen.boot_lease_epoch if seen else None,
@@ -155,7 +160,12 @@ def bcd_server_verify(
     # A machine already waiting (or decided on) with this CSR: JoinService admits an
     # approved request once, refuses a rejected one, refreshes a pending one.
     for mac in [vouch.mac] if vouch else macs:
-        if ctx.lookup_join_request(trusted or f"{pool.site_id}|{mac}") is not None:
+        waiting = ctx.lookup_join_request(trusted or f"{pool.site_id}|{mac}")
+        if waiting is not None:
+            if waiting.usable and vouch is not None and _fresh(vouch, ctx.now_ms):
+                # the approved join spends this boot's vouch too (undone if refused):
+                # nobody may follow it as a "known machine" on the same boot
+                ctx.consume_vouch(vouch.vouch_id)
             return defer(mac, vouch)
     if vouch is None:
         return Refuse("not-vouched")
@@ -163,7 +173,7 @@ def bcd_server_verify(
         return Refuse("vouch-expired")
     if vouch.used:
         return Refuse("vouch-used")
-    if ctx.settings.get(SETTING_MATCH_IP) == "true" and (
+    if ctx.settings.get(SETTING_MATCH_IP, "true") == "true" and (
         vouch.ip is None or ctx.peer_ip != vouch.ip
     ):
         return Refuse("ip-mismatch")

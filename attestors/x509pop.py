@@ -29,10 +29,12 @@ default and maximum 604800, 7 days). Both rounds check, in order:
    ``compute_now()`` and its own last valid second, and every CA of the built chain
    must still be valid now (``chain``);
 3. the leaf expired no more than ``max_expired_s`` ago at ``compute_now()``
-   (``expired-too-long``; an unexpired leaf may re-join too);
+   (``expired-too-long``) and has expired (``not-expired``: a live certificate
+   renews, under the renewal limits); it is not a ``ramdisk`` certificate (``role``);
 4. it is byte for byte a node_certs row (``leaf-unknown``), unrevoked
    (``leaf-revoked``), of its node's current identity generation (``generation``),
-   whose node is not retired (``node-retired``), and it carries no ``urn:bc:``
+   the node's newest certificate (``superseded``: the key of a certificate a renewal
+   replaced proves nothing any more), whose node is not retired (``node-retired``), and it carries no ``urn:bc:``
    statement (``statement``: a TPM-AK-bound node re-joins with ``--attestor tpm``,
    never downgraded to a bare key).
 
@@ -54,7 +56,8 @@ Refusals before the proof verified go to the root tenant; the checks of step 4 a
 round 1 run after it and go to the node's tenant.
 
 Refusal reasons: ``not-configured``, ``evidence-malformed``, ``role``, ``chain``,
-``expired-too-long``, ``leaf-unknown``, ``leaf-revoked``, ``generation``,
+``expired-too-long``, ``not-expired``, ``leaf-unknown``, ``leaf-revoked``,
+``generation``, ``superseded``,
 ``node-retired``, ``statement``, ``challenge-unknown``, ``challenge-csr``,
 ``challenge-used``, ``challenge-expired``, ``pop-invalid``.
 """
@@ -308,12 +311,18 @@ def _judge_leaf(
     not_after_ms = int(leaf.info.not_after.timestamp() * 1000)
     if now_ms - not_after_ms > window_s * 1000:
         return "expired-too-long"
+    if now_ms <= not_after_ms:
+        return "not-expired"  # a live certificate renews (rate-limited), never re-joins
+    if leaf.info.role == "ramdisk":
+        return "role"  # a ramdisk identity lives at most 2 h, never 7 days more
     if record is None:
         return "leaf-unknown"
     if record.revoked:
         return "leaf-revoked"
     if record.identity_generation != record.node_generation:
         return "generation"
+    if not record.newest:
+        return "superseded"  # a key a renewal replaced is worth nothing more
     if record.node_retired:
         return "node-retired"
     if record.statements or leaf.info.statements:

@@ -292,7 +292,9 @@ def cmd_join(args: argparse.Namespace) -> int:
 
     rejoin = None
     if args.attestor == x509pop.X509POP:  # re-join the identity held here
-        rejoin = x509pop.prepare(cfg, _derive_in_tpm(cfg), reset=args.reset, node_id=args.node_id)
+        rejoin = x509pop.prepare(
+            cfg, _derive_in_tpm(cfg), reset=args.reset, node_id=args.node_id, now=_now()
+        )
     plan: list[tuple[Path, Path]] = []
     if args.reset:  # never with x509pop: prepare() refused that combination
         plan = reset_plan(data_dir, _now())

@@ -200,6 +200,8 @@ class NodeCertRecord:
     spki_sha256: str
     revoked: bool
     node_retired: bool
+    newest: bool = True
+    """No later certificate of the node exists (a renewal or re-join replaced it)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
 
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, utils
@@ -68,7 +69,14 @@ def _signer(cfg: Config, state: AnyState) -> Callable[[bytes], bytes]:
     return sign_in_tpm
 
 
-def prepare(cfg: Config, derive: Derive, *, reset: bool, node_id: str | None) -> Rejoin:
+def prepare(
+    cfg: Config,
+    derive: Derive,
+    *,
+    reset: bool,
+    node_id: str | None,
+    now: datetime,
+) -> Rejoin:
     """Load the identity to re-join and check it can be; raise a clear error otherwise."""
     if reset:
         raise UsageError(
@@ -87,6 +95,13 @@ def prepare(cfg: Config, derive: Derive, *, reset: bool, node_id: str | None) ->
         )
     if state.leaf_info.statements:
         raise JoinError(TPM_BOUND)
+    if not state.expired(now):
+        raise JoinError(
+            f"this machine's certificate is valid until {state.identity.not_after}: bcd node "
+            "renews it; --attestor x509pop re-joins only a certificate that expired"
+        )
+    if state.identity.role == "ramdisk":
+        raise JoinError("a ramdisk identity never re-joins; boot the ramdisk again")
     chain = tuple(
         cert.public_bytes(serialization.Encoding.DER) for cert in state.identity.certificates()
     )

@@ -190,11 +190,19 @@ class App:
     ) -> Response:
         ttl = _field(body, "ttlSeconds", int, joinrequests.TTL_DEFAULT_S)
         reason = _field(body, "reason", str, None)
+        csr = _field(body, "csrSha256", str, None)
         return json_response(
             200,
             await self.run(
                 lambda tx: joinrequests.approve(
-                    tx, tenant, pool_id, request_id, ttl_s=ttl, reason=reason, decided_by=tenant
+                    tx,
+                    tenant,
+                    pool_id,
+                    request_id,
+                    ttl_s=ttl,
+                    reason=reason,
+                    decided_by=tenant,
+                    csr_sha256=csr,
                 )
             ),
         )

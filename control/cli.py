@@ -470,6 +470,8 @@ def cmd_requests_approve(args: argparse.Namespace) -> int:
     body: dict[str, Any] = {"ttlSeconds": args.ttl}
     if args.reason:
         body["reason"] = args.reason
+    if args.csr_sha256:
+        body["csrSha256"] = args.csr_sha256
     rec = _client(args).call("POST", _request_path(args) + "/approve", body)
     _emit(args, rec, f"approved {rec['id']} until {rec['expiresAt']}")
     return 0
@@ -737,6 +739,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the approval stays usable (default 900)",
     )
     p.add_argument("--reason")
+    p.add_argument(
+        "--csr-sha256",
+        metavar="HEX",
+        help="approve only if the request still names this CSR (its csrSha256 when listed)",
+    )
     p = verb(jr, "reject", cmd_requests_reject, client=True)
     p.add_argument("request_id")
     p.add_argument("--tenant", required=True)

@@ -222,7 +222,9 @@ fi
 
 # --- 2. download and check -----------------------------------------------------------
 URL="$BASE_URL$BASE_PATH/downloads/bcd/$BCD_VERSION/linux-$ARCH"
-WORK=$(mktemp -d "${TMPDIR:-/tmp}/install-bcd.XXXXXX")
+# In /tmp itself, never the caller's TMPDIR (sudo -E keeps it): a directory another
+# user owns would let them swap the download between its check and its use.
+WORK=$(mktemp -d /tmp/install-bcd.XXXXXX)
 if [ "$FETCH" = curl ]; then
     if ! why=$(curl --fail --silent --show-error --location --proto '=https,http' \
         --proto-redir '=https' --connect-timeout 20 --max-time 600 --retry 2 \

@@ -11,6 +11,7 @@ CSR fail. Decisions publish ``security.join-request.approved`` / ``.rejected``.
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from bcd.plugins import Defer, JoinRequestRecord
@@ -24,6 +25,7 @@ TTL_MAX_S = 86_400
 TTL_DEFAULT_S = 900
 STATES = ("pending", "approved", "rejected")
 REASON_MAX = 500
+_HEX64 = re.compile(r"[0-9a-f]{64}")
 
 
 def _iso(ms: Any) -> str | None:
@@ -211,11 +213,25 @@ def approve(
     ttl_s: int = TTL_DEFAULT_S,
     reason: str | None = None,
     decided_by: str,
+    csr_sha256: str | None = None,
 ) -> dict[str, Any]:
-    """Approve a pending request: one join with its CSR until ``ttl_s`` from now."""
+    """Approve a pending request: one join with its CSR until ``ttl_s`` from now.
+
+    ``csr_sha256``, when given, must still be the request's: a newer attempt of the
+    machine refreshes a pending request with its CSR, so a person who approves what
+    they listed names it, and a request that changed since is not approved.
+    """
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, int) or not TTL_MIN_S <= ttl_s <= TTL_MAX_S:
         raise invalid(f"ttlSeconds must be from {TTL_MIN_S} to {TTL_MAX_S}")
+    if csr_sha256 is not None and not _HEX64.fullmatch(csr_sha256):
+        raise invalid("csrSha256 must be 64 lowercase hex digits")
     row = _lock_pending(tx, tenant_id, pool_id, request_id)
+    if csr_sha256 is not None and row["csr_sha256"] != csr_sha256:
+        raise ControlError(
+            "INVALID_STATE",
+            f"{request_id} changed since it was listed: a newer attempt of the machine "
+            f"presented another CSR (csrSha256 {row['csr_sha256']}); list it again and check",
+        )
     now = tx.now_ms()
     tx.execute(
         "UPDATE join_requests SET state = 'approved', decided_at = ?, decided_by = ?, "

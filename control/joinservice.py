@@ -222,6 +222,11 @@ class _Ctx:
         node = self._tx.one("SELECT * FROM nodes WHERE id = ?", (row["node_id"],))
         if node is None:
             return None
+        later = self._tx.one(
+            "SELECT serial FROM node_certs WHERE node_id = ? AND serial <> ? AND "
+            "(created_at > ? OR not_after > ?) LIMIT 1",
+            (row["node_id"], row["serial"], row["created_at"], row["not_after"]),
+        )
         return NodeCertRecord(
             serial=str(row["serial"]),
             node_id=str(node["id"]),
@@ -238,6 +243,7 @@ class _Ctx:
             spki_sha256=str(row["spki_sha256"]),
             revoked=row["revoked_at"] is not None,
             node_retired=node["retired_at"] is not None,
+            newest=later is None,
         )
 
     def lock_join_token(self, token_id: str) -> TokenRecord | None:
@@ -471,6 +477,9 @@ class JoinService:
         if admit.node_id is not None:  # a re-join of exactly this node (x509pop)
             existing = tx.one("SELECT * FROM nodes WHERE id = ?" + tx.for_update, (admit.node_id,))
             if existing is None:
+                raise self._refuse(attempt, "reclaim", tenant)
+            if not admit.statements and not _latest_statements_are(tx, existing["id"], admit):
+                # never downgrade a TPM-bound node to a bare key, whatever the attestor
                 raise self._refuse(attempt, "reclaim", tenant)
         elif hw.trusted and hw.hex is not None:
             existing = tx.one(

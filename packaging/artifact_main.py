@@ -131,10 +131,36 @@ def _runnable_by_others(path: str) -> bool:
         return False
 
 
+def _writable_by_others(path: str) -> str | None:
+    """The first of ``path`` (resolved) and its parents that anyone but root may change.
+
+    bcd-helper and bcd-join run this interpreter as root: if another user can replace
+    it or its standard library, that user runs code as root.
+    """
+    real = Path(os.path.realpath(path))
+    for p in (real, *real.parents):
+        try:
+            st = os.stat(p)
+        except OSError:
+            return str(p)
+        if st.st_uid != 0 or st.st_mode & 0o022:
+            return str(p)
+    return None
+
+
 def _launcher(root: Path, manifest: dict[str, object]) -> Path:
     python = sys.executable
     if not python or any(c.isspace() for c in python) or len(python) > 200:
         raise UnpackError(f"the interpreter path {python!r} cannot be used in a #! line")
+    import sysconfig
+
+    for what in (python, sysconfig.get_paths()["stdlib"], sysconfig.get_paths()["platstdlib"]):
+        loose = _writable_by_others(what)
+        if loose is not None:
+            raise UnpackError(
+                f"{loose} can be changed by a user other than root, and the root services "
+                f"would run {python} from it; use a system-wide python3 (owned by root)"
+            )
     if not _runnable_by_others(python):
         raise UnpackError(
             f"{python} cannot be run by other users (the bcd user runs bcd node with it); "

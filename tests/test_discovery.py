@@ -37,7 +37,7 @@ class Disc:
     pool: str
 
     def service(self, **settings: str) -> JoinService:
-        base = {"discovery.pool": self.pool}
+        base = {"discovery.pool": self.pool, "discovery.match_ip": "false"}
         base.update(settings)
         return JoinService(self.w.store, join_crypto(self.w.pki), load_plugins(), base)
 
@@ -65,6 +65,9 @@ class Disc:
 
     def send(self, svc: JoinService, body: bytes) -> dict[str, Any]:
         return wire.verify_response(svc.join(body), self.w.signing_pin)
+
+    def send_from(self, svc: JoinService, body: bytes, peer_ip: str) -> dict[str, Any]:
+        return wire.verify_response(svc.join(body, peer_ip=peer_ip), self.w.signing_pin)
 
     def refused(self, svc: JoinService, body: bytes, reason: str) -> None:
         with pytest.raises(Refused) as info:
@@ -197,6 +200,21 @@ def test_without_a_pool_the_attestor_is_not_configured(disc: Disc) -> None:
     disc.refused(svc, body, "not-configured")
 
 
+def test_match_ip_is_on_by_default(disc: Disc) -> None:
+    svc = JoinService(
+        disc.w.store, join_crypto(disc.w.pki), load_plugins(), {"discovery.pool": disc.pool}
+    )
+    claims = machine(1)
+    disc.vouch(claims, ip="10.0.7.21")
+    body, _ = disc.attempt(claims)
+    with pytest.raises(Refused) as info:
+        svc.join(body, peer_ip="10.0.7.22")
+    assert info.value.reason == "discovery:ip-mismatch"
+    assert disc.send_from(svc, body, "10.0.7.21")["kind"] == "pending"
+    (req,) = disc.w.rows("SELECT ip FROM join_requests")
+    assert req["ip"] == "10.0.7.21"
+
+
 def test_a_machine_nobody_vouched_for_is_refused(disc: Disc) -> None:
     svc = disc.service()
     body, _ = disc.attempt(machine(1))
@@ -251,6 +269,36 @@ def test_an_unknown_machine_waits_is_approved_joins_once(disc: Disc) -> None:
     # the approval is spent: the same CSR again is refused
     disc.refused(svc, body, "request-consumed")
     assert len(disc.w.rows("SELECT id FROM nodes WHERE pool_id = ?", (disc.pool,))) == 1
+    # and so is the boot's vouch: the machine's claims with another CSR cannot follow
+    # as a "known machine" on the same boot
+    (vouch,) = disc.w.rows("SELECT used_at FROM discovery_vouches")
+    assert vouch["used_at"] is not None
+    again, _ = disc.attempt(claims)
+    disc.refused(svc, again, "vouch-used")
+    (cert,) = disc.w.rows(
+        "SELECT revoked_at FROM node_certs WHERE node_id = ?", (joined["node_id"],)
+    )
+    assert cert["revoked_at"] is None
+
+
+def test_an_approval_names_the_csr_it_approves(disc: Disc) -> None:
+    svc = disc.service()
+    claims = machine(1)
+    disc.vouch(claims)
+    first, first_csr = disc.attempt(claims)
+    request_id = disc.send(svc, first)["request_id"]
+    # a newer attempt of the machine (or of someone claiming it) refreshes the request
+    second, _ = disc.attempt(claims)
+    assert disc.send(svc, second)["request_id"] == request_id
+    with disc.w.store.tx() as tx, pytest.raises(ControlError) as info:
+        joinrequests.approve(
+            tx, disc.w.root, disc.pool, request_id, ttl_s=900, decided_by="t",
+            csr_sha256=bpki.sha256_hex(first_csr),
+        )  # fmt: skip
+    assert info.value.code == "INVALID_STATE"
+    assert "changed since it was listed" in info.value.message
+    (row,) = disc.w.rows("SELECT state FROM join_requests")
+    assert row["state"] == "pending"
 
 
 def test_a_rejected_machine_is_refused(disc: Disc) -> None:
@@ -380,6 +428,7 @@ def _count_nodes(disc: Disc) -> int:
         ({"discovery.pool": "p", "discovery.allowed_kinds": "Exec"}, "discovery.allowed_kinds"),
         ({"discovery.approval": "always"}, "needs --discovery-pool"),
         ({"discovery.pool": "p", "discovery.match_ip": "yes"}, "discovery.match_ip must be"),
+        ({"discovery.pool": "p", "discovery.match_ip": "false"}, None),
     ],
 )
 def test_discovery_settings_are_checked(settings: dict[str, str], problem: str | None) -> None:

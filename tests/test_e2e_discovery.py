@@ -128,7 +128,13 @@ def test_discovered_machines_wait_are_decided_and_join(tmp_path: Path, pki_templ
 
         approved = cp.cli(
             "join-requests", "approve", row["id"], "--tenant", tenant, "--pool", pool,
-            "--ttl", "600", "--reason", "rack B7 intake",
+            "--ttl", "600", "--reason", "rack B7 intake", "--csr-sha256", "0" * 64,
+        )  # fmt: skip
+        assert approved.returncode == 1
+        assert "changed since it was listed" in approved.stderr
+        approved = cp.cli(
+            "join-requests", "approve", row["id"], "--tenant", tenant, "--pool", pool,
+            "--ttl", "600", "--reason", "rack B7 intake", "--csr-sha256", item["csrSha256"],
         )  # fmt: skip
         assert approved.returncode == 0, approved.stderr
         out, err = agent.communicate(timeout=60)

@@ -128,3 +128,25 @@ def test_an_interpreter_the_native_modules_were_not_built_for_is_refused(
         f"{HOST_PYTHON} is cp3"
     )
     assert not (tmp_path / "dest").exists()
+
+
+def test_unpack_refuses_an_interpreter_another_user_could_change(tmp_path: Path) -> None:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "artifact_main", Path(__file__).parents[1] / "packaging" / "artifact_main.py"
+    )
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module._writable_by_others("/usr/bin/python3") is None
+    loose = tmp_path / "python3"
+    loose.write_text("")
+    loose.chmod(0o755)
+    assert module._writable_by_others(str(loose)) is not None  # /tmp is world-writable
+    owned = tmp_path / "mine"
+    owned.mkdir(mode=0o755)
+    (owned / "python3").write_text("")
+    os.chown(owned / "python3", 65534, 65534)
+    assert module._writable_by_others(str(owned / "python3")) == str(owned / "python3")

@@ -24,7 +24,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from attestors import x509pop
 from bcd import pki as bpki
 from bcd import wire
-from bcd.plugins import NodeJoinContext, load_plugins
+from bcd.plugins import Admit, NodeJoinContext, hookimpl, load_plugins
 from bcd.rejoin import sign_digest_p1363
 from control import events, tenancy, tokens
 from control.errors import Refused
@@ -95,10 +95,11 @@ class Env:
         self,
         n: int,
         *,
-        expired_ago: timedelta | None = None,
+        expired_ago: timedelta | None = timedelta(minutes=5),
         csr_der: bytes | None = None,
     ) -> Held:
-        """Join machine ``n`` with a token; its leaf (1 h) expired ``expired_ago`` ago.
+        """Join machine ``n`` with a token; its leaf (1 h) expired ``expired_ago`` ago
+        (None: a leaf issued now, still valid).
 
         ``csr_der`` is the CSR of a key held elsewhere (the TPM); else a file key's."""
         self.shift[0] = timedelta(0) if expired_ago is None else expired_ago + HOUR
@@ -279,10 +280,20 @@ def test_a_leaf_expired_6_days_23_hours_ago_rejoins_the_same_node(env: Env) -> N
     assert env.rows("SELECT used_at FROM join_challenges")[0]["used_at"] is not None
 
 
-def test_an_unexpired_leaf_may_rejoin_too(env: Env) -> None:
-    held = env.token_join(2)
-    body, _ = env.rejoin(held)
-    assert (body["node_id"], body["identity_generation"]) == (held.node_id, 2)
+def test_an_unexpired_leaf_renews_and_never_rejoins(env: Env) -> None:
+    held = env.token_join(2, expired_ago=None)
+    env.refused(env.request(held, bpki.make_csr(bpki.generate_key())), "not-expired")
+
+
+def test_a_leaf_a_renewal_replaced_is_refused_even_after_the_new_one_expired(env: Env) -> None:
+    held = env.token_join(25, expired_ago=2 * DAY)
+    # the node renewed (a later certificate of the same generation), then went offline
+    newer = env.token_join(26, expired_ago=DAY)
+    env.sql(
+        "UPDATE node_certs SET node_id = ?, created_at = created_at + 1 WHERE node_id = ?",
+        (held.node_id, newer.node_id),
+    )
+    env.refused(env.request(held, bpki.make_csr(bpki.generate_key())), "superseded")
 
 
 def test_the_challenge_stores_only_hashes_bound_to_the_leaf_and_csr(env: Env) -> None:
@@ -379,7 +390,7 @@ def test_refused_a_leaf_the_ca_issued_but_joinservice_never_recorded(env: Env) -
     leaf = bpki.load_pem_chain(held.chain_pem)[0]
     info = bpki.leaf_info(leaf)
     key = bpki.generate_key()
-    now = datetime.now(UTC)
+    now = datetime.now(UTC) - 2 * HOUR  # expired an hour ago
     twin = issue_node_leaf(env.pki, key.public_key(), info.spiffe, "node", (), now, 3600)
     forged = Held(key, bpki.cert_pem(twin) + env.pki.chain_tail_pem(), held.node_id)
     env.refused(env.request(forged, bpki.make_csr(bpki.generate_key())), "leaf-unknown")
@@ -404,13 +415,18 @@ def test_refused_a_retired_node(env: Env) -> None:
 
 
 def test_refused_a_tpm_ak_bound_leaf_never_downgraded(env: Env) -> None:
-    held = env.token_join(15)
+    held = env.token_join(15, expired_ago=3 * HOUR)
     key = bpki.generate_key()
     statement = "urn:bc:tpm-ak:sha256:" + "ab" * 32
+
+    def issued_2h_ago(pub, spiffe, role, statements, now, ttl):  # type: ignore[no-untyped-def]
+        return issue_node_leaf(env.pki, pub, spiffe, role, statements, now - 2 * HOUR, ttl)
+
+    crypto = dataclasses.replace(join_crypto(env.pki), issue_leaf=issued_2h_ago, cert_ttl_s=3600)
     with env.store.tx() as tx:
         leaf, _info = issue_recorded_leaf(
             tx,
-            join_crypto(env.pki),
+            crypto,
             key.public_key(),
             bpki.SpiffeId("td.example", env.site, held.node_id),
             "node",
@@ -420,6 +436,66 @@ def test_refused_a_tpm_ak_bound_leaf_never_downgraded(env: Env) -> None:
         )
     bound = Held(key, bpki.cert_pem(leaf) + env.pki.chain_tail_pem(), held.node_id)
     env.refused(env.request(bound, bpki.make_csr(bpki.generate_key())), "statement")
+
+
+def _expired_recorded_leaf(
+    env: Env, node_id: str, role: str, statements: tuple[str, ...] = ()
+) -> Held:
+    """A certificate of ``node_id`` JoinService recorded, issued 2 h ago for 1 h."""
+
+    def issued_2h_ago(pub, spiffe, role, statements, now, ttl):  # type: ignore[no-untyped-def]
+        return issue_node_leaf(env.pki, pub, spiffe, role, statements, now - 2 * HOUR, ttl)
+
+    crypto = dataclasses.replace(join_crypto(env.pki), issue_leaf=issued_2h_ago, cert_ttl_s=3600)
+    key = bpki.generate_key()
+    with env.store.tx() as tx:
+        leaf, _info = issue_recorded_leaf(
+            tx, crypto, key.public_key(), bpki.SpiffeId("td.example", env.site, node_id),
+            role, statements, (), 1,
+        )  # fmt: skip
+    return Held(key, bpki.cert_pem(leaf) + env.pki.chain_tail_pem(), node_id)
+
+
+def test_refused_a_ramdisk_leaf(env: Env) -> None:
+    held = env.token_join(27, expired_ago=3 * HOUR)
+    ramdisk = _expired_recorded_leaf(env, held.node_id, "ramdisk")
+    csr = bpki.make_csr(bpki.generate_key())
+    env.refused(env.request(ramdisk, csr, role="ramdisk"), "role")
+
+
+class _NodeIdAdmitter:
+    """A third-party attestor that re-joins a node by id without statements."""
+
+    @hookimpl
+    def bcd_attestor_names(self) -> list[str]:
+        return ["rejoin-any"]
+
+    @hookimpl
+    def bcd_server_verify(self, attestor: str, request: Any, ctx: Any) -> Any:
+        if attestor != "rejoin-any":
+            return None
+        node = ctx.settings["rejoin-any.node"]
+        rows = ctx.lookup_pool(ctx.settings["rejoin-any.pool"])
+        return Admit(rows.tenant_id, rows.pool_id, rows.site_id, "node", node_id=node)
+
+
+def test_joinservice_never_lets_an_attestor_downgrade_a_tpm_bound_node(env: Env) -> None:
+    held = env.token_join(28, expired_ago=3 * HOUR)
+    _expired_recorded_leaf(env, held.node_id, "node", ("urn:bc:tpm-ak:sha256:" + "cd" * 32,))
+    svc = JoinService(
+        env.store,
+        join_crypto(env.pki),
+        load_plugins([_NodeIdAdmitter()]),
+        {"rejoin-any.node": held.node_id, "rejoin-any.pool": env.pool},
+    )
+    body = json.loads(env.request(held, bpki.make_csr(bpki.generate_key())))
+    body["attestor"] = "rejoin-any"
+    with pytest.raises(Refused) as info:
+        svc.join(json.dumps(body).encode())
+    assert info.value.reason == "rejoin-any:reclaim"
+    assert env.rows("SELECT identity_generation FROM nodes WHERE id = ?", (held.node_id,)) == [
+        {"identity_generation": 1}
+    ]
 
 
 def test_refused_into_a_pool_whose_policy_does_not_list_x509pop(env: Env) -> None:

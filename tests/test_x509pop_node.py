@@ -223,7 +223,7 @@ def test_prepare_lends_an_expired_identity_and_its_key(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     past = datetime.now(UTC) - timedelta(days=2)
     key, identity = _stored(cfg.data_dir, not_before=past, not_after=past + timedelta(hours=1))
-    rejoin = prepare(cfg, _never, reset=False, node_id=None)
+    rejoin = prepare(cfg, _never, reset=False, node_id=None, now=_now())
     assert rejoin.state.identity.node_id == identity.node_id
     assert rejoin.role == "node"
     assert len(rejoin.chain_der) == 2
@@ -234,15 +234,28 @@ def test_prepare_lends_an_expired_identity_and_its_key(tmp_path: Path) -> None:
 def test_prepare_refuses_clearly(tmp_path: Path) -> None:
     cfg = _config(tmp_path)
     with pytest.raises(UsageError, match="does not combine with --reset"):
-        prepare(cfg, _never, reset=True, node_id=None)
+        prepare(cfg, _never, reset=True, node_id=None, now=_now())
     with pytest.raises(JoinError, match="holds none; join with a token"):
-        prepare(cfg, _never, reset=False, node_id=None)
+        prepare(cfg, _never, reset=False, node_id=None, now=_now())
     _stored(cfg.data_dir, statements=("urn:bc:tpm-ak:sha256:" + "ab" * 32,))
     with pytest.raises(JoinError) as info:
-        prepare(cfg, _never, reset=False, node_id=None)
+        prepare(cfg, _never, reset=False, node_id=None, now=_now())
     assert str(info.value) == TPM_BOUND
     with pytest.raises(JoinError, match="names another node"):
-        prepare(cfg, _never, reset=False, node_id=new_id("node"))
+        prepare(cfg, _never, reset=False, node_id=new_id("node"), now=_now())
+
+
+def test_prepare_refuses_a_live_certificate(tmp_path: Path) -> None:
+    cfg = _config(tmp_path)
+    _stored(cfg.data_dir)
+    with pytest.raises(JoinError, match="bcd node renews it; --attestor x509pop re-joins only"):
+        prepare(cfg, _never, reset=False, node_id=None, now=_now())
+    later = _now() + timedelta(days=2)
+    assert prepare(cfg, _never, reset=False, node_id=None, now=later).role == "node"
+
+
+def _now() -> datetime:
+    return datetime.now(UTC)
 
 
 class _Crash(Exception):
