@@ -8,6 +8,7 @@ The vouch is stored per site and MAC: a newer boot (a larger ``boot_lease_epoch`
 replaces the vouch and makes it usable again, the same boot refreshes its expiry, an
 older boot is refused. A vouch counts for :data:`VOUCH_TTL_MS` after it was made
 and admits one join (the discovery attestor consumes it in the join transaction).
+A site agent may vouch :data:`VOUCHES_PER_MINUTE` times a minute.
 
 Everything the body says is untrusted: :func:`parse_vouch` is a pure function.
 """
@@ -28,6 +29,9 @@ from control.store import Row, Tx
 
 VOUCH_PATH = "/v1/discovery/vouch"
 VOUCH_TTL_MS = 30 * 60 * 1000
+VOUCHES_PER_MINUTE = 600
+"""Per site agent: a DHCP server hands out leases far slower; more is a broken or
+hostile agent filling the table, answered RESOURCE_EXHAUSTED with a pushback."""
 SITE_ROLE = "site"
 _WORKFLOW = re.compile(r"^[A-Za-z0-9._:/-]{1,128}$")
 _EPOCH_MAX = 2**53 - 1
@@ -114,6 +118,17 @@ def record_vouch(tx: Tx, site_agent_id: str, vouch: Vouch) -> dict[str, Any]:
     site_id = str(agent["site_id"])
     now_ms = tx.now_ms()
     expires = now_ms + VOUCH_TTL_MS
+    recent = tx.query(
+        "SELECT updated_at FROM discovery_vouches WHERE vouched_by = ? AND updated_at > ? "
+        "ORDER BY updated_at LIMIT ?",
+        (site_agent_id, now_ms - 60_000, VOUCHES_PER_MINUTE),
+    )
+    if len(recent) >= VOUCHES_PER_MINUTE:
+        raise ControlError(
+            "RESOURCE_EXHAUSTED",
+            f"at most {VOUCHES_PER_MINUTE} vouches per site agent and minute",
+            retry_after_ms=max(1, int(recent[0]["updated_at"]) + 60_000 - now_ms),
+        )
     row = tx.one(
         "SELECT * FROM discovery_vouches WHERE site_id = ? AND mac = ?" + tx.for_update,
         (site_id, vouch.mac),

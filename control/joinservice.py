@@ -68,6 +68,9 @@ CONCURRENT = "This machine joined concurrently; retry"
 CERT_TTL_MAX_S = 86_400
 RAMDISK_TTL_MAX_S = 7_200
 MAX_ROUNDS = 3
+REANSWER_MS = 600_000
+"""How long a join whose answer was lost may ask again with the same CSR (the agent's
+retries with backoff fit well inside)."""
 CHALLENGE_KEEP_MS = 3_600_000  # challenge rows are pruned an hour after their not_after
 
 IssueLeaf = Callable[
@@ -355,6 +358,9 @@ class JoinService:
                 raise self._refuse(attempt, "seal-csr")
             if abs(attempt.seal.iat * 1000 - now_ms) > wire.SEAL_MAX_SKEW_S * 1000:
                 raise self._refuse(attempt, "seal-stale")
+        answered = self._answered_before(tx, attempt, crypto)
+        if answered is not None:
+            return answered
         if attempt.attestor not in self.plugins.names():
             raise self._refuse(attempt, "attestor-unknown")
         ctx = _Ctx(
@@ -384,6 +390,44 @@ class JoinService:
             log.error("attestor %s returned %s, not a verdict", attempt.attestor, type(verdict))
             raise self._refuse(attempt, "plugin-error")
         return self._issue(tx, attempt, verdict, crypto)
+
+    def _answered_before(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto) -> str | None:
+        """The same identity again for a join whose answer was lost (None otherwise).
+
+        The CSR's key already has a live certificate, recorded less than
+        :data:`REANSWER_MS` ago, of its node's current generation: this CSR was
+        admitted, and the join committed, but the agent never stored the answer (a
+        dropped connection) and sent its request again. Answering again issues and
+        consumes nothing (a token's use, an approval or an x509pop challenge was spent
+        once), and the answer is of use only to whoever holds the CSR's key.
+        """
+        try:
+            key = pki.csr_public_key(pki.parse_csr(attempt.request.csr_der))
+        except pki.PkiError:
+            return None
+        row = tx.one(
+            "SELECT c.der, c.role, c.identity_generation FROM node_certs c "
+            "JOIN nodes n ON n.id = c.node_id WHERE c.spki_sha256 = ? "
+            "AND c.revoked_at IS NULL AND c.created_at > ? AND c.not_after > ? "
+            "AND n.retired_at IS NULL AND n.identity_generation = c.identity_generation "
+            "ORDER BY c.created_at DESC LIMIT 1",
+            (pki.sha256_hex(pki.spki_der(key)), tx.now_ms() - REANSWER_MS, tx.now_ms()),
+        )
+        if row is None:
+            return None
+        leaf = x509.load_der_x509_certificate(base64.b64decode(row["der"]))
+        spiffe = pki.leaf_info(leaf).spiffe
+        log.info("join of %s answered again (its answer was lost)", spiffe.node_id)
+        return signed_identity(
+            crypto,
+            "joined",
+            spiffe,
+            str(row["role"]),
+            leaf,
+            attempt.csr_sha256,
+            tx.now_ms(),
+            int(row["identity_generation"]),
+        )
 
     def _defer(self, tx: Tx, attempt: _Attempt, defer: Defer, crypto: JoinCrypto) -> str:
         """A join request: admit an approved retry once, refuse a rejected one, else

@@ -147,6 +147,20 @@ def test_an_older_boot_is_refused_and_a_newer_boot_makes_a_new_vouch(disc: Disc)
     assert (row["id"], row["boot_lease_epoch"]) == (newer["vouch_id"], EPOCH + 60)
 
 
+def test_a_flood_of_vouches_is_pushed_back(disc: Disc, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(discovery, "VOUCHES_PER_MINUTE", 3)
+    for n in range(3):
+        disc.vouch(machine(10 + n))
+    with pytest.raises(ControlError) as info:
+        disc.vouch(machine(20))
+    assert info.value.code == "RESOURCE_EXHAUSTED"
+    assert info.value.retry_after_ms is not None
+    assert 0 < info.value.retry_after_ms <= 60_000
+    assert len(disc.w.rows("SELECT id FROM discovery_vouches")) == 3
+    disc.w.sql("UPDATE discovery_vouches SET updated_at = updated_at - 61000")
+    disc.vouch(machine(20))  # a minute later it goes on
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
@@ -266,7 +280,10 @@ def test_an_unknown_machine_waits_is_approved_joins_once(disc: Disc) -> None:
     assert json.loads(cert["allowed_kinds"]) == ["inventory.read", "deploy.*"]
     (req,) = disc.w.rows("SELECT consumed_at FROM join_requests")
     assert req["consumed_at"] is not None
-    # the approval is spent: the same CSR again is refused
+    # the same CSR again within minutes: a lost answer, the same identity, nothing spent
+    assert disc.send(svc, body)["chain"] == joined["chain"]
+    # later, the approval is spent: the same CSR again is refused
+    disc.w.sql("UPDATE node_certs SET created_at = created_at - 600001")
     disc.refused(svc, body, "request-consumed")
     assert len(disc.w.rows("SELECT id FROM nodes WHERE pool_id = ?", (disc.pool,))) == 1
     # and so is the boot's vouch: the machine's claims with another CSR cannot follow

@@ -233,6 +233,12 @@ def test_an_approval_is_used_once_at_the_real_gateway(tmp_path: Path, pki_templa
         first = trio.run(_post_raw, cp, body)
         joined = wire.verify_response(first, signing_pin)
         assert joined["kind"] == "joined"
+        # within minutes the same request is a lost answer: the same identity, nothing new
+        again = wire.verify_response(trio.run(_post_raw, cp, body), signing_pin)
+        assert (again["node_id"], again["chain"]) == (joined["node_id"], joined["chain"])
+        assert cp.one("SELECT COUNT(*) AS n FROM node_certs") == {"n": 2}  # agent + machine
+        with cp.store.tx() as tx:
+            tx.execute("UPDATE node_certs SET created_at = created_at - 600001")
         status, second = trio.run(_post, cp, body)
         assert (status, second) == (403, {"code": "ACCESS_DENIED", "message": "Join refused"})
         reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]

@@ -120,6 +120,12 @@ def test_an_approval_admits_exactly_one_join(ew: TpmWorld) -> None:
     assert row["consumed_at"] is not None
     (joined,) = ew.rows("SELECT payload FROM events WHERE type = 'node.joined'")
     assert json.loads(joined["payload"])["joinRequestId"] == request_id
+    # the second round's answer with the same CSR only gets the same identity again
+    # (as a join whose answer was lost does): nothing more is issued or consumed
+    again = ew.send(ew.request(key, 1, ew.answer(key, second)))
+    assert (again["node_id"], again["chain"]) == (body["node_id"], body["chain"])
+    with ew.store.tx() as tx:
+        tx.execute("UPDATE node_certs SET created_at = created_at - 600001")
     ew.refused(ew.request(key, 1, ew.answer(key, second)), "request-not-approved")
     # the approval used twice: a fresh round with that CSR is refused
     ew.refused(ew.request(key), "request-consumed")

@@ -895,3 +895,33 @@ def test_twenty_concurrent_joins_on_a_five_use_token_admit_exactly_five(world: W
     assert len(world.events(world.tenant, "node.joined")) == 5
     reasons = [e["payload"]["reason"] for e in world.events(world.tenant, "security.join.refused")]
     assert reasons == ["join-token:token-used-up"] * 15
+
+
+# --- a join whose answer was lost ------------------------------------------------------
+
+
+def test_a_join_asked_again_with_the_same_csr_gets_the_same_identity_and_spends_nothing(
+    world: World,
+) -> None:
+    token = world.mint(max_uses=1)
+    attempt = world.body(token, machine(71))
+    first = world.join(attempt)
+    before = world.snapshot()
+
+    again = world.join(attempt)  # the answer was lost; bcd sends the same request
+
+    assert again["kind"] == "joined"
+    assert (again["node_id"], again["identity_generation"]) == (first["node_id"], 1)
+    assert leaf_of(again).serial_number == leaf_of(first).serial_number
+    assert again["csr_sha256"] == bpki.sha256_hex(attempt.csr_der)
+    assert world.snapshot() == before  # nothing issued, nothing consumed, no event
+
+
+def test_no_second_answer_once_the_certificate_is_revoked_or_old(world: World) -> None:
+    token = world.mint(max_uses=1)
+    attempt = world.body(token, machine(72))
+    world.join(attempt)
+    world.sql("UPDATE node_certs SET created_at = created_at - 600001")
+    world.refused(attempt, "token-used-up", routed_to=TENANT)
+    world.sql("UPDATE node_certs SET created_at = created_at + 600001, revoked_at = 1")
+    world.refused(attempt, "token-used-up", routed_to=TENANT)

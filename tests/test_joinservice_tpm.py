@@ -192,7 +192,12 @@ def test_a_tpm_join_answers_a_challenge_then_admits(tw: TpmWorld) -> None:
     assert (node["tenant_id"], node["pool_id"], node["attestor"]) == (tw.tenant, tw.pool, "tpm")
     (joined,) = tw.rows("SELECT payload FROM events WHERE type = 'node.joined'")
     assert json.loads(joined["payload"])["nodeKey"] == "tpm"
-    # the challenge is spent: the same answer again is refused
+    # the same answer again (its answer lost) gets the same identity, spending nothing
+    again = tw.send(tw.request(key, 1, answer))
+    assert (again["node_id"], again["chain"]) == (body["node_id"], body["chain"])
+    # once that is no longer a lost answer, the spent challenge refuses it
+    with tw.store.tx() as tx:
+        tx.execute("UPDATE node_certs SET created_at = created_at - 600001")
     tw.refused(tw.request(key, 1, answer), "challenge-used")
 
 

@@ -16,3 +16,6 @@ CREATE TABLE discovery_vouches (
   used_at BIGINT
 );
 CREATE UNIQUE INDEX discovery_vouches_machine ON discovery_vouches (site_id, mac);
+CREATE INDEX discovery_vouches_agent ON discovery_vouches (vouched_by, updated_at);
+-- A join asked again after its answer was lost finds its certificate by the CSR's key.
+CREATE INDEX node_certs_spki ON node_certs (spki_sha256);
