@@ -95,6 +95,9 @@ def test_only_the_helper_reaches_the_tpm_and_only_the_node_is_unprivileged() -> 
     assert helper["RuntimeDirectoryMode"] == ["0755"]
     assert join["Type"] == ["oneshot"]
     assert "--token-file /etc/bcd/join-token" in join["ExecStart"][0]
+    # only on a boot that has a token file: a joined TPM node could not load its
+    # identity here (no TPM device in this unit)
+    assert join["ConditionPathExists"] == ["/etc/bcd/config.toml", "/etc/bcd/join-token"]
     assert set(join["ReadWritePaths"][0].split()) == {
         "-/var/lib/bcd",
         "-/var/lib/bcd-hostconfig",
