@@ -318,9 +318,9 @@ def test_node_certificate_is_a_spiffe_client_leaf_of_at_most_24_hours(world: Wor
     )
     assert leaf.not_valid_after_utc - leaf.not_valid_before_utc <= timedelta(hours=24)
     assert leaf.not_valid_before_utc.timestamp() <= time.time() + 5
-    assert bpki.same_public_key(
-        bpki.csr_public_key(bpki.parse_csr(attempt.csr_der)), leaf.public_key()
-    )  # type: ignore[arg-type]
+    leaf_key = leaf.public_key()
+    assert isinstance(leaf_key, ec.EllipticCurvePublicKey)
+    assert bpki.same_public_key(bpki.csr_public_key(bpki.parse_csr(attempt.csr_der)), leaf_key)
     constraints = leaf.extensions.get_extension_for_class(x509.BasicConstraints).value
     assert constraints.ca is False
     usage = leaf.extensions.get_extension_for_class(x509.KeyUsage).value

@@ -17,12 +17,12 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
-from attestors import tpm as tpm_attestor
 from bcd import pki as bpki
 from bcd import wire
 from bcd.join import HeldKey
 from bcd.plugins import NodeJoinContext, load_plugins
 from bcd.tpm.ak import certify
+from bcd.tpm.attestation import ak_statement
 from bcd.tpm.device import open_tpm
 from bcd.tpm.nodekey import create_node_key_record, derive_node_key, public_key_of, sign
 from bcd.tpm.record import NodeKeyRecord
@@ -258,7 +258,7 @@ def test_ek_trust_refusals(tw: TpmWorld, tmp_path: Path) -> None:
 
 def test_ak_statement_format() -> None:
     name = b"\x00\x0b" + bytes(range(32))
-    assert tpm_attestor.ak_statement(name) == "urn:bc:tpm-ak:sha256:" + bytes(range(32)).hex()
+    assert ak_statement(name) == "urn:bc:tpm-ak:sha256:" + bytes(range(32)).hex()
 
 
 def test_reclaim_needs_the_same_ak(tw: TpmWorld) -> None:
