@@ -1,5 +1,10 @@
 """``make quickstart``: a control plane on SQLite on loopback and one node joined to it.
 
+The node's whole life: it joins with a one-use token, ``bcd node`` opens its session
+and renews its short-lived certificate by itself, and it stops the moment its
+identity is revoked. Certificates live 20 s here (``serve --cert-ttl-seconds``) so a
+renewal shows within seconds; production keeps 24 h.
+
 Everything lives under ``./.quickstart/`` (ignored by git); each run starts it
 afresh. Every step prints the command it runs, so the output doubles as a tour.
 """
@@ -13,8 +18,10 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from bcd.hardware import hardware_key, read_claims
@@ -22,6 +29,7 @@ from bcd.hardware import hardware_key, read_claims
 BIN = Path(sys.executable).parent
 ROOT = Path(".quickstart").absolute()
 SECRET = "quickstart-secret-not-for-production"  # noqa: S105 - a loopback demo
+CERT_TTL_S = 20
 
 
 def step(title: str) -> None:
@@ -41,6 +49,55 @@ def run(*args: str, stdin: Path | None = None, env: dict[str, str] | None = None
     if done.returncode != 0:
         raise SystemExit(f"quickstart: step failed with exit code {done.returncode}")
     return done.stdout
+
+
+def _run_node(bcd: str, config: Path, env: dict[str, str]) -> Callable[..., None]:
+    """``bcd node`` in the background: its session, a renewal, then the revocation."""
+
+    def go(bc: str, tenant: str, node_id: str, api: list[str]) -> None:
+        step(f"bcd node: the session, and a renewal at 60 % of the {CERT_TTL_S} s certificate")
+        print(f"$ {bcd} node --config {config} &", flush=True)
+        agent = subprocess.Popen(
+            [bcd, "node", "--config", str(config)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        lines: list[str] = []
+        reader = threading.Thread(target=_collect, args=(agent, lines), daemon=True)
+        reader.start()
+        try:
+            _wait_for(lines, "renewed: certificate", agent, CERT_TTL_S * 2)
+            step("revoke the node's identity: bcd node stops at once")
+            run(bc, "nodes", "revoke-identity", node_id, "--tenant", tenant, *api, env=env)
+            code = agent.wait(30)
+            reader.join(5)
+            print(f"bcd node exited {code} (1: a person must act; systemd does not restart it)")
+            if code != 1:
+                raise SystemExit("quickstart: bcd node did not stop on the revocation")
+        finally:
+            if agent.poll() is None:
+                agent.kill()
+                agent.wait()
+
+    return go
+
+
+def _collect(agent: subprocess.Popen[str], lines: list[str]) -> None:
+    assert agent.stdout is not None
+    for line in agent.stdout:
+        print(f"  bcd node | {line.rstrip()}", flush=True)
+        lines.append(line)
+
+
+def _wait_for(lines: list[str], text: str, agent: subprocess.Popen[str], within_s: float) -> None:
+    deadline = time.monotonic() + within_s
+    while not any(text in line for line in lines):
+        if agent.poll() is not None or time.monotonic() > deadline:
+            raise SystemExit(f"quickstart: bcd node did not log {text!r} in time")
+        time.sleep(0.1)
 
 
 def main() -> int:
@@ -90,7 +147,8 @@ def main() -> int:
     ready = home / "ready.json"
     log = open(home / "serve.log", "wb")  # noqa: SIM115 - closed in finally
     print(
-        f"$ {bc} serve --api-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 --ready-file {ready} &"
+        f"$ {bc} serve --api-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 "
+        f"--cert-ttl-seconds {CERT_TTL_S} --ready-file {ready} &"
     )
     serve = subprocess.Popen(
         [
@@ -102,6 +160,8 @@ def main() -> int:
             "127.0.0.1:0",
             "--ready-file",
             str(ready),
+            "--cert-ttl-seconds",
+            str(CERT_TTL_S),
         ],
         env=pki_env,
         stdout=log,
@@ -195,8 +255,10 @@ def main() -> int:
         run(bcd, "doctor", "--config", str(config), env=env)
         step("bcd join again: already joined, no credential read")
         run(bcd, "join", "--config", str(config), "--sysfs-root", sysfs, env=env)
+        node_id = json.loads((node / "data" / "identity.json").read_text())["node_id"]
+        _run_node(bcd, config, env)(bc, tenant, node_id, api[:-1])
         step("the control plane's view")
-        run(bc, "nodes", "list", "--tenant", tenant, *api[:-1], env=env)
+        run(bc, "nodes", "show", node_id, "--tenant", tenant, *api[:-1], env=env)
         run(bc, "events", "list", "--tenant", tenant, *api[:-1], env=env)
     finally:
         serve.send_signal(signal.SIGTERM)

@@ -31,6 +31,10 @@ def test_quickstart_runs_twice(tmp_path: Path) -> None:
         assert "==> bcd join: the machine becomes a node" in done.stdout
         assert "\njoined as node_" in done.stdout
         assert "ok    identity  node node_" in done.stdout
+        assert "bcd node | bcd: bcd.session: session open (sess_" in done.stdout
+        assert "bcd node | bcd: bcd.renew: renewed: certificate " in done.stdout
+        assert "bcd node | agent: this node's certificate was revoked" in done.stdout
+        assert "bcd node exited 1 " in done.stdout
     assert (tmp_path / ".quickstart" / "node" / "data" / "identity.json").exists()
 
 
