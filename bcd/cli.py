@@ -337,6 +337,11 @@ def cmd_join(args: argparse.Namespace) -> int:
                 )
             doc = bootstrap_doc or trio.run(fetch_well_known, args.server)
             encryption_key = _key_from_document(doc, cfg.join_encryption_key_pin, args.server)
+    elif bootstrap_doc is not None:
+        # No token to seal, but the bootstrap writes join-encryption.jwk beside the new
+        # config.toml (a later token join needs it): checked against its pin before
+        # anything is sent, like the rest of the document.
+        encryption_key = _key_from_document(bootstrap_doc, cfg.join_encryption_key_pin, args.server)
     from bcd.join import join
 
     joined = trio.run(

@@ -239,12 +239,18 @@ def root_site_store(
 
 
 def start_in(
-    tmp_path: Path, pki_template: Path, db_url: str, extra_args: Sequence[str]
+    tmp_path: Path,
+    pki_template: Path,
+    db_url: str,
+    extra_args: Sequence[str],
+    gateway_url: str | None = None,
 ) -> ControlPlane:
     """``ControlPlane.start`` with its home at ``tmp_path/cp``."""
     home = tmp_path / "cp"
     home.mkdir()
-    return ControlPlane.start(home, pki_template, db_url, extra_args=extra_args)
+    return ControlPlane.start(
+        home, pki_template, db_url, gateway_url=gateway_url, extra_args=extra_args
+    )
 
 
 @dataclass

@@ -16,7 +16,7 @@ import pytest
 import trio
 
 from bcd import pki, wire
-from tests.e2e import ControlPlane, Node, root_site_store, start_in
+from tests.e2e import BIN, ControlPlane, Node, cli_env, root_site_store, run, start_in
 from tests.test_e2e_bad_input import _post
 from tests.test_e2e_tpm import JOINED
 
@@ -28,7 +28,9 @@ def _mac(node: Node) -> str:
     return (node.sysfs / "sys" / "class" / "net" / "eth0" / "address").read_text().strip()
 
 
-def _start(tmp_path: Path, pki_template: Path) -> tuple[ControlPlane, str, str, str]:
+def _start(
+    tmp_path: Path, pki_template: Path, gateway_url: str | None = None
+) -> tuple[ControlPlane, str, str, str]:
     db_url, site, (agents, pool) = root_site_store(
         tmp_path,
         "dc-1",
@@ -47,6 +49,7 @@ def _start(tmp_path: Path, pki_template: Path) -> tuple[ControlPlane, str, str, 
             "--attestor-setting",
             "discovery.match_ip=true",
         ],
+        gateway_url,
     )
     return cp, site, agents, pool
 
@@ -261,3 +264,59 @@ async def _post_raw(cp: ControlPlane, body: bytes) -> str:
         await stream.aclose()
     assert resp.status == 200, resp.body
     return resp.body.decode("ascii")
+
+
+def test_a_pxe_machine_without_config_joins_from_the_well_known_document(
+    tmp_path: Path, pki_template: Path
+) -> None:
+    """A PXE-booted machine has only the three pins (from its boot image): ``bcd join
+    --server … --attestor discovery`` builds config.toml from the well-known document."""
+    cp, site, agents, pool = _start(tmp_path, pki_template, "https://127.0.0.1:{port}")
+    agent: subprocess.Popen[str] | None = None
+    try:
+        site_agent = Node.make(tmp_path / "site-agent", cp, site, seed=1)
+        assert (
+            site_agent.join(cp.token(agents, role="site")["token"], "--role", "site").returncode
+            == 0
+        )
+        machine = Node.make(tmp_path / "pxe", cp, site, seed=5, write_jwk=False)
+        assert (
+            site_agent.bcd(
+                "vouch", "--mac", _mac(machine), "--boot-lease-epoch", "11", "--ip", "127.0.0.1"
+            ).returncode
+            == 0
+        )
+        pins = cp.pins()
+        config = tmp_path / "pxe-etc" / "config.toml"
+        data = tmp_path / "pxe-data"
+        agent = subprocess.Popen(
+            [
+                str(BIN / "bcd"), "join", "--attestor", "discovery", "--config", str(config),
+                "--server", cp.api, "--data-dir", str(data), "--sysfs-root", str(machine.sysfs),
+                "--serving-ca-pin", pins["serving_ca_spki_pin"],
+                "--join-signing-pin", pins["join_signing_key_pin"],
+                "--join-encryption-pin", pins["join_encryption_key_pin"],
+            ],
+            stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            text=True, env=cli_env(machine.root, secret=False),
+        )  # fmt: skip
+        row = _request_of(cp, agent, _mac(machine))
+        approved = cp.cli(
+            "join-requests", "approve", row["id"], "--tenant", cp.root_tenant, "--pool", pool
+        )
+        assert approved.returncode == 0, approved.stderr
+        out, err = agent.communicate(timeout=60)
+        assert agent.returncode == 0, err
+        assert JOINED.match(out.strip().splitlines()[-1]), out
+        written = config.read_text()
+        assert f'site = "{site}"' in written
+        assert f'gateway_url = "https://127.0.0.1:{cp.gateway_port}"' in written
+        jwk = json.loads((config.parent / "join-encryption.jwk").read_text())
+        assert jwk == cp.well_known()["join"]["encryptionJwk"]
+        doctor = run([str(BIN / "bcd"), "doctor", "--config", str(config)])
+        assert doctor.returncode == 0, doctor.stdout
+    finally:
+        if agent is not None and agent.poll() is None:
+            agent.kill()
+            agent.wait()
+        cp.stop()
