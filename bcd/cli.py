@@ -532,6 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
     return top
 
 
+INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE, as bcd node's
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     systemd.configure_logging(sys.stderr, logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -554,6 +557,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: one line, never a traceback (it could hold a secret)
+        if os.environ.get("BCD_DEBUG") == "1":
+            raise
+        print(
+            f"bcd: internal error ({type(exc).__name__}); this is a bug in bcd. Run the same "
+            "command with BCD_DEBUG=1 for the traceback",
+            file=sys.stderr,
+        )
+        return INTERNAL_ERROR_EXIT
     return code
 
 

@@ -782,6 +782,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     except KeyboardInterrupt:
         return 130
+    except Exception as exc:  # a bug: one line, never a traceback (a DB URL may hold a password)
+        if os.environ.get("BETTER_COMPUTE_DEBUG") == "1":
+            raise
+        print(
+            f"better-compute: internal error ({type(exc).__name__}); this is a bug. Run the "
+            "same command with BETTER_COMPUTE_DEBUG=1 for the traceback",
+            file=sys.stderr,
+        )
+        return 70
     return code
 
 
