@@ -26,7 +26,14 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from bcd import __version__, doctor, fs, pki, systemd, wire
 from bcd.config import Config, join_encryption_jwk_path, load_config, parse_config, render_config
 from bcd.credential import Credential, read_stdin, read_token_file, remove_credential_files
-from bcd.errors import BcdError, ConfigError, JoinError, UsageError
+from bcd.errors import (
+    BcdError,
+    ConfigError,
+    JoinError,
+    UsageError,
+    describe_os_error,
+    os_error_in,
+)
 from bcd.hardware import read_claims
 from bcd.httpclient import fetch_url
 from bcd.identity import (
@@ -560,6 +567,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug: one line, never a traceback (it could hold a secret)
         if os.environ.get("BCD_DEBUG") == "1":
             raise
+        os_error = os_error_in(exc)
+        if os_error is not None:  # the system said no: not a bug
+            print(f"bcd: {describe_os_error(os_error)}", file=sys.stderr)
+            return 1
         print(
             f"bcd: internal error ({type(exc).__name__}); this is a bug in bcd. Run the same "
             "command with BCD_DEBUG=1 for the traceback",

@@ -26,6 +26,23 @@ class BcdError(Exception):
     exit_code = 1
 
 
+def os_error_in(exc: BaseException) -> OSError | None:
+    """The OSError behind ``exc`` (itself, or inside an exception group), if any."""
+    if isinstance(exc, OSError):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for inner in exc.exceptions:
+            found = os_error_in(inner)
+            if found is not None:
+                return found
+    return None
+
+
+def describe_os_error(err: OSError) -> str:
+    """``strerror`` and errno, without the file name or address (they may say too much)."""
+    return f"{err.strerror or type(err).__name__} (errno {err.errno})"
+
+
 class ConfigError(BcdError):
     """Raised when config.toml cannot be used: missing, unknown key, malformed pin."""
 

@@ -32,7 +32,7 @@ def vouch_body(mac: str, boot_lease_epoch: int, ip: str | None, workflow_id: str
     return wire.dumps(body)
 
 
-def vouch_answer(status: int, body: bytes) -> dict[str, Any]:
+def vouch_answer(status: int, body: bytes, pushback_ms: str = "") -> dict[str, Any]:
     """The gateway's answer: the stored vouch, or an error naming what went wrong."""
     if status == 200:
         try:
@@ -45,7 +45,9 @@ def vouch_answer(status: int, body: bytes) -> dict[str, Any]:
     if err.code == "UNAUTHENTICATED":
         raise CertificateRevoked("this site agent's certificate is not live (revoked or expired)")
     if err.code in wire.RETRYABLE:
-        raise RetryableError(f"{err.code}: {err.message}")
+        wait = int(pushback_ms) / 1000 if pushback_ms.isdigit() and len(pushback_ms) <= 9 else None
+        later = f"; ask again in {wait:.0f} s" if wait is not None else "; ask again later"
+        raise RetryableError(f"{err.code}: {err.message}{later}", wait)
     raise JoinError(f"the vouch was refused: {err.code}: {err.message}")
 
 
@@ -61,4 +63,4 @@ async def vouch(
         )
     body = vouch_body(mac, boot_lease_epoch, ip, workflow_id)
     resp = await post_as_node(cfg, state, tpm, VOUCH_PATH, body)
-    return vouch_answer(resp.status, resp.body)
+    return vouch_answer(resp.status, resp.body, resp.headers.get("retry-pushback-ms", "").strip())

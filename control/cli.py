@@ -1,13 +1,15 @@
 """``better-compute``: the reference control plane's command line.
 
-Exit codes: 0 success, 1 a failure or refusal, 2 a usage error. Errors print one
-line, ``better-compute: CODE: message``, never a traceback.
+Exit codes: 0 success, 1 a failure or refusal, 2 a usage error, 70 a bug. Errors
+print one line, ``better-compute: CODE: message``, never a traceback on the terminal
+(``serve`` keeps one in its log when it stops on a bug).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import re
 import sys
@@ -17,6 +19,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 from bcd import fs
+from bcd.errors import describe_os_error, os_error_in
 from control.errors import ControlError
 
 DEFAULT_HOME = "/var/lib/better-compute"
@@ -785,6 +788,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # a bug: one line, never a traceback (a DB URL may hold a password)
         if os.environ.get("BETTER_COMPUTE_DEBUG") == "1":
             raise
+        os_error = os_error_in(exc)
+        if os_error is not None:  # the system said no (a port in use, a permission): not a bug
+            print(f"better-compute: {describe_os_error(os_error)}", file=sys.stderr)
+            return 1
+        if getattr(args, "fn", None) is cmd_serve:
+            # a daemon's log is its operator's: keep the traceback there for the post-mortem
+            logging.getLogger("control").error("serve stopped on a bug", exc_info=exc)
         print(
             f"better-compute: internal error ({type(exc).__name__}); this is a bug. Run the "
             "same command with BETTER_COMPUTE_DEBUG=1 for the traceback",

@@ -118,17 +118,24 @@ def record_vouch(tx: Tx, site_agent_id: str, vouch: Vouch) -> dict[str, Any]:
     site_id = str(agent["site_id"])
     now_ms = tx.now_ms()
     expires = now_ms + VOUCH_TTL_MS
+    tx.execute(
+        "DELETE FROM discovery_vouch_calls WHERE vouched_by = ? AND at <= ?",
+        (site_agent_id, now_ms - 60_000),
+    )
     recent = tx.query(
-        "SELECT updated_at FROM discovery_vouches WHERE vouched_by = ? AND updated_at > ? "
-        "ORDER BY updated_at LIMIT ?",
-        (site_agent_id, now_ms - 60_000, VOUCHES_PER_MINUTE),
+        "SELECT at FROM discovery_vouch_calls WHERE vouched_by = ? ORDER BY at LIMIT ?",
+        (site_agent_id, VOUCHES_PER_MINUTE),
     )
     if len(recent) >= VOUCHES_PER_MINUTE:
         raise ControlError(
             "RESOURCE_EXHAUSTED",
             f"at most {VOUCHES_PER_MINUTE} vouches per site agent and minute",
-            retry_after_ms=max(1, int(recent[0]["updated_at"]) + 60_000 - now_ms),
+            retry_after_ms=max(1, int(recent[0]["at"]) + 60_000 - now_ms),
         )
+    tx.execute(
+        "INSERT INTO discovery_vouch_calls (vouched_by, at) VALUES (?, ?)",
+        (site_agent_id, now_ms),
+    )
     row = tx.one(
         "SELECT * FROM discovery_vouches WHERE site_id = ? AND mac = ?" + tx.for_update,
         (site_id, vouch.mac),

@@ -410,8 +410,13 @@ class JoinService:
             "JOIN nodes n ON n.id = c.node_id WHERE c.spki_sha256 = ? "
             "AND c.revoked_at IS NULL AND c.created_at > ? AND c.not_after > ? "
             "AND n.retired_at IS NULL AND n.identity_generation = c.identity_generation "
-            "ORDER BY c.created_at DESC LIMIT 1",
-            (pki.sha256_hex(pki.spki_der(key)), tx.now_ms() - REANSWER_MS, tx.now_ms()),
+            "AND n.attestor = ? ORDER BY c.created_at DESC LIMIT 1",
+            (
+                pki.sha256_hex(pki.spki_der(key)),
+                tx.now_ms() - REANSWER_MS,
+                tx.now_ms(),
+                attempt.attestor,
+            ),
         )
         if row is None:
             return None

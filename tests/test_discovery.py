@@ -157,8 +157,14 @@ def test_a_flood_of_vouches_is_pushed_back(disc: Disc, monkeypatch: pytest.Monke
     assert info.value.retry_after_ms is not None
     assert 0 < info.value.retry_after_ms <= 60_000
     assert len(disc.w.rows("SELECT id FROM discovery_vouches")) == 3
-    disc.w.sql("UPDATE discovery_vouches SET updated_at = updated_at - 61000")
+    disc.w.sql("UPDATE discovery_vouch_calls SET at = at - 61000")
     disc.vouch(machine(20))  # a minute later it goes on
+    # the limit counts calls: vouching one machine again and again is held back too
+    disc.vouch(machine(20))
+    disc.vouch(machine(20))
+    with pytest.raises(ControlError) as again:
+        disc.vouch(machine(20))
+    assert again.value.code == "RESOURCE_EXHAUSTED"
 
 
 @pytest.mark.parametrize(
@@ -503,3 +509,16 @@ def test_an_attestor_admitting_with_malformed_allowed_kinds_is_a_plugin_error(
         svc.join(body)
     assert info.value.reason == "bad-kinds:plugin-error"
     assert _count_nodes(disc) == 1  # the site agent only
+
+
+def test_bcd_vouch_says_when_to_ask_again() -> None:
+    from bcd.errors import RetryableError
+    from bcd.vouch import vouch_answer
+
+    body = wire.dumps({"code": "RESOURCE_EXHAUSTED", "message": "at most 600 vouches"})
+    with pytest.raises(RetryableError) as info:
+        vouch_answer(429, body, "12500")
+    assert str(info.value) == "RESOURCE_EXHAUSTED: at most 600 vouches; ask again in 12 s"
+    assert info.value.pushback_s == 12.5
+    with pytest.raises(RetryableError, match="ask again later"):
+        vouch_answer(503, wire.dumps({"code": "UNAVAILABLE", "message": "busy"}))

@@ -16,6 +16,12 @@ CREATE TABLE discovery_vouches (
   used_at BIGINT
 );
 CREATE UNIQUE INDEX discovery_vouches_machine ON discovery_vouches (site_id, mac);
-CREATE INDEX discovery_vouches_agent ON discovery_vouches (vouched_by, updated_at);
+-- Each vouch a site agent made (the rate limit counts calls, not machines: vouching
+-- one MAC again and again updates one row); pruned after a minute.
+CREATE TABLE discovery_vouch_calls (
+  vouched_by TEXT NOT NULL,
+  at BIGINT NOT NULL
+);
+CREATE INDEX discovery_vouch_calls_agent ON discovery_vouch_calls (vouched_by, at);
 -- A join asked again after its answer was lost finds its certificate by the CSR's key.
 CREATE INDEX node_certs_spki ON node_certs (spki_sha256);
