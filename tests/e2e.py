@@ -216,6 +216,11 @@ class ControlPlane:
             return tx.one(sql, params)
 
 
+def helper_table(user: str, socket: Path, hostconfig_dir: Path) -> str:
+    """A ``[helper]`` table for config.toml: ``bcd helper``'s user, socket, root's record."""
+    return f'[helper]\nuser = "{user}"\nsocket = "{socket}"\nhostconfig_dir = "{hostconfig_dir}"\n'
+
+
 def root_site_store(
     tmp_path: Path, site_name: str, *pools: tuple[str, dict[str, Any]]
 ) -> tuple[str, str, list[str]]:

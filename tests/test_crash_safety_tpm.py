@@ -41,7 +41,7 @@ from bcd.helper.nodekeys import HelperKeys
 from bcd.identity import LoadedTpmState, load_state
 from bcd.renew import FAIL_POINTS
 from bcd.tpm.record import NodeKeyRecord
-from tests.e2e import BIN, ControlPlane, Node, cli_env
+from tests.e2e import BIN, ControlPlane, Node, cli_env, helper_table
 from tests.swtpm import SwTpm
 from tests.test_e2e_tpm import JOINED, _leaf, _start, _start_helper, _stop, _tpm_node
 
@@ -77,10 +77,7 @@ def tpm_node(tmp_path: Path, pki_template: Path, swtpm: SwTpm) -> Iterator[TpmNo
         node = _tpm_node(tmp_path / "node", cp, site, swtpm)
         socket = sockdir / "run" / "helper.sock"
         with node.config.open("a") as f:
-            f.write(
-                f'[helper]\nuser = "root"\nsocket = "{socket}"\n'
-                f'hostconfig_dir = "{tmp_path / "hostconfig"}"\n'
-            )
+            f.write(helper_table("root", socket, tmp_path / "hostconfig"))
         # the join opens the swtpm itself (it serves one connection), then the helper
         done = node.join(None, "--attestor", "tpm")
         assert done.returncode == 0, done.stderr

@@ -20,7 +20,7 @@ from bcd.identity import TPM_KEY_MISMATCH, TPM_NODE_UNSUPPORTED, load_state
 from bcd.tpm.ak import ak_public
 from bcd.tpm.device import open_tpm
 from bcd.tpm.record import NodeKeyRecord
-from tests.e2e import BIN, ControlPlane, Node, cli_env, root_site_store, start_in
+from tests.e2e import BIN, ControlPlane, Node, cli_env, helper_table, root_site_store, start_in
 from tests.swtpm import SwTpm
 
 pytestmark = pytest.mark.e2e
@@ -230,10 +230,7 @@ def test_tpm_mode_auto_under_helper_makes_the_node_key_in_the_tpm(
     """With [helper], bcd node can use a TPM key through bcd helper: auto uses the TPM."""
     cp = sqlite_control_plane
     site, pool = cp.site_and_pool()
-    helper = (
-        f'[helper]\nuser = "root"\nsocket = "{tmp_path / "run" / "helper.sock"}"\n'
-        f'hostconfig_dir = "{tmp_path / "hostconfig"}"\n'
-    )
+    helper = helper_table("root", tmp_path / "run" / "helper.sock", tmp_path / "hostconfig")
     node = _token_node(
         tmp_path / "node", cp, site, f'{helper}\n[tpm]\nmode = "auto"\ntcti = "{swtpm.tcti}"\n'
     )
@@ -354,10 +351,7 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
     try:
         node = _tpm_node(tmp_path / "node", cp, site, swtpm)
         with node.config.open("a") as f:
-            f.write(
-                f'[helper]\nuser = "root"\nsocket = "{sockdir / "run" / "helper.sock"}"\n'
-                f'hostconfig_dir = "{tmp_path / "hostconfig"}"\n'
-            )
+            f.write(helper_table("root", sockdir / "run" / "helper.sock", tmp_path / "hostconfig"))
         # swtpm serves one connection at a time: the join opens the TPM itself (root),
         # then the helper holds it
         done = node.join(None, "--attestor", "tpm")
@@ -460,9 +454,8 @@ def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
             tmp_path / "node",
             cp,
             site,
-            f'[helper]\nuser = "root"\nsocket = "{sockdir / "run" / "helper.sock"}"\n'
-            f'hostconfig_dir = "{tmp_path / "hostconfig"}"\n\n'
-            f'[tpm]\nmode = "off"\ntcti = "{swtpm.tcti}"\n',
+            helper_table("root", sockdir / "run" / "helper.sock", tmp_path / "hostconfig")
+            + f'\n[tpm]\nmode = "off"\ntcti = "{swtpm.tcti}"\n',
         )
         done = node.join(cp.token(pool)["token"])
         assert done.returncode == 0, done.stderr

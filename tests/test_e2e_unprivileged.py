@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from bcd.tpm.record import NodeKeyRecord
-from tests.e2e import ControlPlane, cli_env
+from tests.e2e import ControlPlane, cli_env, helper_table
 from tests.swtpm import SwTpm
 from tests.sysusers import temporary_user
 from tests.test_e2e_tpm import JOINED, _leaf, _start, _start_helper, _stop, _tpm_node
@@ -127,10 +127,7 @@ def _run(
         node = _tpm_node(base / "node", cp, site, swtpm)
         sock = base / "run" / "helper.sock"
         with node.config.open("a") as f:
-            f.write(
-                f'[helper]\nuser = "{user.pw_name}"\nsocket = "{sock}"\n'
-                f'hostconfig_dir = "{base / "hostconfig"}"\n'
-            )
+            f.write(helper_table(user.pw_name, sock, base / "hostconfig"))
         assert reachable_by_others(node.config)
 
         # the join, as root, opens the TPM itself and hands the identity to the user
