@@ -496,7 +496,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--attestor",
         default=JOIN_TOKEN,
-        help="join-token (default), tpm or discovery (no token), or a plugin's",
+        help="join-token (default), tpm or discovery (no token), x509pop (re-join the "
+        "identity held here after an offline expiry), or a plugin's",
     )
     p.add_argument("--role", default="node", choices=["node", "site", "ramdisk"])
     p.add_argument("--node-id")
