@@ -17,7 +17,11 @@ import pytest
 
 from bcd import pki
 from bcd.identity import parse_time
+from bcd.tpm.device import open_tpm
+from bcd.tpm.nodekey import derive_node_key
+from bcd.tpm.record import NodeKeyRecord
 from tests.e2e import BIN, ControlPlane, Node, cli_env
+from tests.swtpm import SwTpm
 
 pytestmark = pytest.mark.e2e
 
@@ -186,3 +190,40 @@ def test_serve_refuses_an_unusable_x509pop_setting(tmp_path: Path, pki_template:
             )
         assert "x509pop" in str(info.value)
         assert "Traceback" not in str(info.value)
+
+
+def test_x509pop_rejoins_a_tpm_held_key_it_proves_through_the_tpm(
+    cp: ControlPlane, tmp_path: Path, swtpm: SwTpm
+) -> None:
+    """A token join whose key landed in the TPM (no AK statement: a token join proves
+    nothing about where the key lives); offline past its expiry, ``bcd join --attestor
+    x509pop`` (root) signs the proof with the TPM-held key and makes the next key there."""
+    site, pool = cp.site_and_pool()
+    node = Node.make(tmp_path / "n", cp, site, seed=12)
+    with node.config.open("a") as f:
+        f.write(f'[tpm]\nmode = "required"\ntcti = "{swtpm.tcti}"\n')
+    joined = node.join(cp.token(pool)["token"])
+    assert joined.returncode == 0, joined.stderr
+    node_id = joined.stdout.split()[2]
+    assert _identity(node)["key"] == "tpm"
+    first_record = (node.data_dir / "node.key").read_bytes()
+    first_serial = _serial(node)
+
+    _wait_until(_not_after(node))
+    time.sleep(0.5)
+    rejoined = node.join(None, "--attestor", "x509pop")
+
+    assert rejoined.returncode == 0, rejoined.stderr
+    ident = _identity(node)
+    assert (ident["node_id"], ident["identity_generation"], ident["key"]) == (node_id, 2, "tpm")
+    assert (node.data_dir / "node.key").read_bytes() != first_record  # a new key, in the TPM
+    record = NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes())
+    chain = ident["chain"]
+    assert isinstance(chain, str)
+    leaf = pki.load_pem_chain(chain)[0]
+    with open_tpm(swtpm.tcti) as tpm:
+        derived = derive_node_key(tpm, record)
+    assert pki.same_public_key(derived, leaf.public_key())  # type: ignore[arg-type]
+    old = cp.one("SELECT revoke_reason FROM node_certs WHERE serial = ?", (first_serial,))
+    assert old == {"revoke_reason": "rejoined"}
+    assert not (node.data_dir / "node.key.next").exists()
