@@ -441,9 +441,8 @@ def load_state(data_dir: Path, derive: Derive | None = None) -> LoadedState | Lo
     )
 
 
-def _derive_tpm_key(
-    data_dir: Path, leaf_key: ec.EllipticCurvePublicKey, derive: Derive
-) -> tuple[NodeKeyRecord, ec.EllipticCurvePublicKey]:
+def _read_node_key(data_dir: Path) -> tuple[Path, bytes]:
+    """node.key's path and bytes (a regular file, size-capped), or the way back."""
     path = data_dir / NODE_KEY_FILE
     try:
         raw = _read_regular(path, MAX_KEY_BYTES)
@@ -451,6 +450,13 @@ def _derive_tpm_key(
         raise IdentityError(f"cannot read {path}: {exc.strerror or exc}; {WAY_BACK}") from exc
     if raw is None:
         raise IdentityError(f"the node key {path} is missing; {WAY_BACK}")
+    return path, raw
+
+
+def _derive_tpm_key(
+    data_dir: Path, leaf_key: ec.EllipticCurvePublicKey, derive: Derive
+) -> tuple[NodeKeyRecord, ec.EllipticCurvePublicKey]:
+    path, raw = _read_node_key(data_dir)
     try:
         record = NodeKeyRecord.from_json(raw)
     except TpmError as exc:
@@ -504,13 +510,7 @@ def _certified_next(raw: bytes, leaf_key: ec.EllipticCurvePublicKey) -> bool:
 
 
 def _load_node_key(data_dir: Path) -> ec.EllipticCurvePrivateKey:
-    path = data_dir / NODE_KEY_FILE
-    try:
-        raw = _read_regular(path, MAX_KEY_BYTES)
-    except OSError as exc:
-        raise IdentityError(f"cannot read {path}: {exc.strerror or exc}; {WAY_BACK}") from exc
-    if raw is None:
-        raise IdentityError(f"the node key {path} is missing; {WAY_BACK}")
+    path, raw = _read_node_key(data_dir)
     try:
         return load_key_pem(raw)
     except IdentityError as exc:

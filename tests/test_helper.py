@@ -68,8 +68,7 @@ from bcd.tpm.ak import ak_public, certify
 from bcd.tpm.device import open_tpm
 from bcd.tpm.nodekey import create_node_key_record, public_key_of, sign
 from bcd.tpm.record import NodeKeyPublic, NodeKeyRecord
-from bcd.tpm.structures import ALG_ECDSA, ALG_SHA256, ECC_NIST_P256, ecc_public
-from bcd.tpm.templates import AK_ATTRIBUTES, check_ak_public, node_key_template
+from bcd.tpm.templates import AK_ATTRIBUTES, check_ak_public, node_key_template, p256_public_area
 from bcd.tpm.verify import verify_certify
 from tests.swtpm import SwTpm
 
@@ -673,16 +672,7 @@ def real(swtpm: SwTpm) -> Real:
 
 
 def _software_ak(key: ec.EllipticCurvePrivateKey) -> bytes:
-    numbers = key.public_key().public_numbers()
-    return ecc_public(
-        name_alg=ALG_SHA256,
-        attributes=AK_ATTRIBUTES,
-        scheme=ALG_ECDSA,
-        scheme_hash=ALG_SHA256,
-        curve=ECC_NIST_P256,
-        x=numbers.x.to_bytes(32, "big"),
-        y=numbers.y.to_bytes(32, "big"),
-    )
+    return p256_public_area(key.public_key(), AK_ATTRIBUTES)
 
 
 @asynccontextmanager

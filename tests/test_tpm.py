@@ -53,7 +53,9 @@ from bcd.tpm.templates import (
     check_ak_public,
     check_ek_public,
     check_node_key_public,
+    node_key_public_area,
     node_key_template,
+    p256_public_area,
 )
 from bcd.tpm.verify import check_ek_certificate, verify_certify
 from tests.swtpm import SwTpm
@@ -94,16 +96,7 @@ def _leave_object(t: Tpm) -> None:
 
 def _software_ak(key: ec.EllipticCurvePrivateKey, attributes: int = AK_ATTRIBUTES) -> bytes:
     """A TPMT_PUBLIC with the AK template's properties around a software key."""
-    numbers = key.public_key().public_numbers()
-    return ecc_public(
-        name_alg=ALG_SHA256,
-        attributes=attributes,
-        scheme=ALG_ECDSA,
-        scheme_hash=ALG_SHA256,
-        curve=ECC_NIST_P256,
-        x=numbers.x.to_bytes(32, "big"),
-        y=numbers.y.to_bytes(32, "big"),
-    )
+    return p256_public_area(key.public_key(), attributes)
 
 
 def _attest(extra: bytes, name: bytes, *, magic: int = TPM_GENERATED_VALUE) -> bytes:
@@ -264,16 +257,7 @@ def test_record_dict_parser_raises_only_tpm_error(data: dict[str, object]) -> No
 
 def test_node_key_public_checks_attributes_and_pin() -> None:
     key = ec.generate_private_key(ec.SECP256R1()).public_key()
-    numbers = key.public_numbers()
-    area = ecc_public(
-        name_alg=ALG_SHA256,
-        attributes=NODE_KEY_ATTRIBUTES,
-        scheme=ALG_ECDSA,
-        scheme_hash=ALG_SHA256,
-        curve=ECC_NIST_P256,
-        x=numbers.x.to_bytes(32, "big"),
-        y=numbers.y.to_bytes(32, "big"),
-    )
+    area = node_key_public_area(key)
     record = create_node_key_record()
     public = node_key_public(area, record.pinned(key))
     assert spki_pin(public.public_key) == spki_pin(key)

@@ -80,10 +80,16 @@ def node_key_public_area(public_key: object) -> bytes:
         public_key.curve, ec.SECP256R1
     ):
         raise TpmError("a node key is a P-256 key")
+    return p256_public_area(public_key, NODE_KEY_ATTRIBUTES)
+
+
+def p256_public_area(public_key: ec.EllipticCurvePublicKey, attributes: int) -> bytes:
+    """The TPMT_PUBLIC of a P-256 ECDSA/SHA-256 signing key with ``attributes`` holding
+    ``public_key`` (what the TPM reports once it made the key from our template)."""
     numbers = public_key.public_numbers()
     return ecc_public(
         name_alg=ALG_SHA256,
-        attributes=NODE_KEY_ATTRIBUTES,
+        attributes=attributes,
         scheme=ALG_ECDSA,
         scheme_hash=ALG_SHA256,
         curve=ECC_NIST_P256,
