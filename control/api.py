@@ -19,7 +19,7 @@ import trio
 from bcd import __version__, wire
 from control import downloads, events, joinrequests, nodes, tenancy, tokens
 from control.errors import ControlError, invalid
-from control.http import Request, Response, error_response, json_response
+from control.http import Request, Response, error_response, health_response, json_response
 from control.store import Store, Tx
 
 log = logging.getLogger("control.api")
@@ -38,6 +38,8 @@ class App:
     """Called after a revocation made through this API (the gateway looks at once)."""
     downloads: Path | None = None
     """``serve --downloads DIR``: the bcd artifacts served under /downloads (control.downloads)."""
+    ready: Callable[[], Awaitable[tuple[bool, str]]] | None = None
+    """``GET /readyz``: whether this replica can do its job now (the database answers)."""
 
     async def run(self, fn: Callable[[Tx], T]) -> T:
         def work() -> T:
@@ -56,6 +58,10 @@ class App:
 
     async def _api(self, req: Request) -> Response:
         path = req.path
+        if req.method == "GET" and path in ("/healthz", "/readyz"):
+            if path == "/healthz" or self.ready is None:
+                return health_response(True, "alive" if path == "/healthz" else "ready")
+            return health_response(*await self.ready())
         if not path.startswith(BASE_PATH + "/"):
             raise ControlError("NOT_FOUND", "no such path")
         path = path[len(BASE_PATH) :]

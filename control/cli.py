@@ -101,6 +101,12 @@ def cmd_pki_issue_gateway(args: argparse.Namespace) -> int:
     directory = _home(args) / "pki"
     try:
         loaded = pki.load_pki(directory, secret)
+        if args.out:
+            from control import gatewaypki
+
+            meta = gatewaypki.issue_bundle(loaded, Path(args.out), args.san, _now())
+            print(f"gateway bundle for {args.san} written to {meta.parent}")
+            return 0
         cert, _key = pki.issue_gateway(loaded, directory, args.san, secret, _now())
     except (pki.PkiSetupError, ValueError) as exc:
         raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
@@ -185,6 +191,18 @@ def cmd_daemon_install_script(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from control import server
 
+    if args.role == "gateway":
+        if os.environ.get("BETTER_COMPUTE_SECRET"):
+            raise ControlError(
+                "INVALID_CONFIG",
+                "a gateway holds no PKI key: unset BETTER_COMPUTE_SECRET in its environment",
+            )
+        if not args.db and not os.environ.get("BETTER_COMPUTE_DB"):
+            raise ControlError(
+                "INVALID_ARGUMENT", "--role gateway needs --db postgresql://… (its read-only role)"
+            )
+        if not args.api_upstream:
+            raise ControlError("INVALID_ARGUMENT", "--role gateway needs --api-upstream URL")
     return server.main(
         home=_home(args),
         db_url=_db_url(args),
@@ -193,10 +211,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway_san=args.gateway_san,
         gateway_url=args.gateway_url,
         ready_file=Path(args.ready_file) if args.ready_file else None,
-        secret=_secret(),
+        secret=None if args.role == "gateway" else _secret(),
         cert_ttl_s=args.cert_ttl_seconds,
         attestor_settings=_attestor_settings(args),
         downloads=Path(args.downloads) if args.downloads else None,
+        role=args.role,
+        relay_listen=args.relay_listen,
+        relay_san=args.relay_san,
+        gateway_dir=Path(args.gateway_dir) if args.gateway_dir else None,
+        api_upstreams=args.api_upstream or (),
+        drain_s=args.drain_seconds,
     )
 
 
@@ -586,6 +610,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trust-domain", required=True)
     p = verb(pki_group, "issue-gateway", cmd_pki_issue_gateway)
     p.add_argument("--san", required=True, help="the gateway's DNS name or IP address")
+    p.add_argument(
+        "--out",
+        metavar="DIR",
+        help="write a gateway bundle (serving and relay certificates and keys, unencrypted, "
+        "0600) for a gateway-role host to DIR instead of into the PKI",
+    )
     verb(pki_group, "pins", cmd_pki_pins)
     verb(pki_group, "rotate-join-key", cmd_pki_rotate_join_key)
 
@@ -610,8 +640,43 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the script to this file (mode 0755) instead of stdout")
 
     p = verb(sub, "serve", cmd_serve, db=True)
+    p.add_argument(
+        "--role",
+        choices=["all", "api", "gateway"],
+        default="all",
+        help="all: API and gateway in one process (default); api: the tenant API and "
+        "JoinService, with the PKI keys; gateway: the nodes' front door, relaying to --api-upstream",
+    )
     p.add_argument("--api-listen", default="127.0.0.1:8080")
     p.add_argument("--gateway-listen", default="127.0.0.1:8443")
+    p.add_argument(
+        "--relay-listen",
+        metavar="HOST:PORT",
+        help="role api: where gateways relay node calls (mutual TLS, relay certificates only)",
+    )
+    p.add_argument(
+        "--relay-san",
+        help="role api: which issued certificate (pki issue-gateway --san) the relay "
+        "listener serves (default: --gateway-san)",
+    )
+    p.add_argument(
+        "--gateway-dir",
+        metavar="DIR",
+        help="role gateway: the bundle of pki issue-gateway --out DIR (no PKI, no secret)",
+    )
+    p.add_argument(
+        "--api-upstream",
+        action="append",
+        metavar="URL",
+        help="role gateway: an API replica's relay listener, https://HOST:PORT (repeatable; "
+        "tried in turn)",
+    )
+    p.add_argument(
+        "--drain-seconds",
+        type=float,
+        default=30.0,
+        help="on SIGTERM, how long calls in flight may take to finish (default 30)",
+    )
     p.add_argument(
         "--gateway-san", default="127.0.0.1", help="which issued gateway certificate to serve"
     )

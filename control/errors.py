@@ -5,6 +5,8 @@
     ControlError(code, message)     an answer the API or gateway sends as {"code", "message"}
     ├── Refused                     a join or renewal refusal: the client sees only the
     │                               uniform ACCESS_DENIED text; ``reason`` stays server-side
+    ├── StoreUnavailable            the database does not answer now: UNAVAILABLE with a
+    │                               pushback, never reported as a bug
     └── StoreConflict               a uniqueness race in the store (mapped to CONFLICT)
 
 Only ``code`` and ``message`` ever leave the process; an exception's own text, a
@@ -43,6 +45,16 @@ class Refused(ControlError):
         super().__init__("ACCESS_DENIED", public)
         self.reason = reason
         self.tenant_id = tenant_id
+
+
+STORE_PUSHBACK_MS = 2_000
+
+
+class StoreUnavailable(ControlError):
+    """Raised by the store when the database cannot be reached or stops answering."""
+
+    def __init__(self, message: str = "the database is unavailable; retry") -> None:
+        super().__init__("UNAVAILABLE", message, retry_after_ms=STORE_PUSHBACK_MS)
 
 
 class StoreConflict(Exception):

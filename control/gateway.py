@@ -9,20 +9,30 @@ hour (RESOURCE_EXHAUSTED with ``retry-pushback-ms``).
 ``POST /v1/discovery/vouch`` takes a site agent's vouch for a machine that booted
 on its site (:mod:`control.discovery`), with the same client-certificate check.
 
+Two parts, so a gateway-only process (``serve --role gateway``) holds no key that
+admits a node: :class:`NodeCalls` judges joins, renewals and vouches (JoinService,
+RenewService: an API replica, or the one-process ``serve``); :class:`Gateway` is the
+node-facing front door. It answers sessions and health itself and hands the other
+three calls to ``upstream``: :meth:`NodeCalls.handle` in one process, or
+:meth:`control.relay.RelayClient.forward` to API replicas.
+
 A session is the gateway's stream of JSON lines: a welcome, a ping every 15 s, and
 the RevocationNotice when the certificate it was opened with is revoked; the
-stream closes after the notice. Revocations are found by polling the store (every
-gateway does, so a revocation made through any replica reaches every session).
+stream closes after the notice. Revocations are found by polling the store every
+second (so a revocation made through any replica reaches every session), and at
+once when PostgreSQL notifies ``bc_revoked`` (:mod:`control.revocations`). A drain
+(SIGTERM) ends every session with a clean end of stream, so its node redials.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import json
 import logging
 import secrets
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -30,8 +40,8 @@ import trio
 
 from bcd import wire
 from control import discovery, renewal
-from control.errors import ControlError, Refused
-from control.http import Request, Response, error_response
+from control.errors import ControlError, Refused, StoreUnavailable
+from control.http import Request, Response, error_response, health_response
 from control.joinservice import JoinService
 from control.store import Store, Tx
 
@@ -40,6 +50,8 @@ log = logging.getLogger("control.gateway")
 PING_INTERVAL_S = 15.0
 REVOCATION_POLL_S = 1.0
 T = TypeVar("T")
+_DRAIN: dict[str, Any] = {"type": "drain"}  # never sent: ends the stream
+_UPSTREAM_PATHS = frozenset({"/v1/join", "/v1/renew", discovery.VOUCH_PATH})
 
 
 @dataclass
@@ -52,44 +64,44 @@ class _Session:
     node opens the next one with its renewed certificate."""
 
 
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+async def answering(fn: Callable[[], Awaitable[Response]]) -> Response:
+    """Run a node call; its refusal or error becomes the protocol's ``{code, message}``."""
+    try:
+        return await fn()
+    except Refused as exc:
+        return error_response("ACCESS_DENIED", exc.message)
+    except ControlError as exc:
+        headers = []
+        if exc.retry_after_ms is not None:
+            headers.append(("retry-pushback-ms", str(exc.retry_after_ms)))
+        return error_response(exc.code, exc.message, headers)
+
+
 @dataclass
-class Gateway:
+class NodeCalls:
+    """Join, renewal and vouch: what needs JoinService's keys or writes admission state."""
+
     store: Store
     joinservice: JoinService
     renewservice: renewal.RenewService
     limiter: trio.CapacityLimiter
-    ping_interval_s: float = PING_INTERVAL_S
-    sessions: dict[str, list[_Session]] = field(default_factory=dict)
-    _poked: trio.Event = field(default_factory=trio.Event)
-
-    def poke(self) -> None:
-        """Look for revocations now (a revocation was just made through this process)."""
-        self._poked.set()
 
     async def _run(self, fn: Callable[[Tx], T]) -> T:
-        def work() -> T:
-            with self.store.tx() as tx:
-                return fn(tx)
-
-        return await trio.to_thread.run_sync(work, limiter=self.limiter)
+        return await _in_tx(self.store, self.limiter, fn)
 
     async def handle(self, req: Request) -> Response:
-        try:
-            if req.method == "POST" and req.path == "/v1/join":
-                return await self._join(req)
-            if req.method == "POST" and req.path == "/v1/renew":
-                return await self._renew(req)
-            if req.method == "POST" and req.path == "/v1/session":
-                return await self._session(req)
-            if req.method == "POST" and req.path == discovery.VOUCH_PATH:
-                return await self._vouch(req)
-        except Refused as exc:
-            return error_response("ACCESS_DENIED", exc.message)
-        except ControlError as exc:
-            headers = []
-            if exc.retry_after_ms is not None:
-                headers.append(("retry-pushback-ms", str(exc.retry_after_ms)))
-            return error_response(exc.code, exc.message, headers)
+        return await answering(lambda: self._dispatch(req))
+
+    async def _dispatch(self, req: Request) -> Response:
+        if req.method == "POST" and req.path == "/v1/join":
+            return await self._join(req)
+        if req.method == "POST" and req.path == "/v1/renew":
+            return await self._renew(req)
+        if req.method == "POST" and req.path == discovery.VOUCH_PATH:
+            return await self._vouch(req)
         return error_response("NOT_FOUND", "no such path")
 
     async def _join(self, req: Request) -> Response:
@@ -97,17 +109,8 @@ class Gateway:
         signed = await trio.to_thread.run_sync(join, limiter=self.limiter)
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
 
-    async def _peer(self, req: Request) -> tuple[str, str]:
-        der = req.peer_cert_der
-        if der is None:
-            raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
-        peer = await self._run(lambda tx: renewal.peer_status(tx, der))
-        if peer is None:
-            raise ControlError("UNAUTHENTICATED", "this certificate is not a live node certificate")
-        return peer
-
     async def _renew(self, req: Request) -> Response:
-        node_id, _serial = await self._peer(req)
+        node_id, _serial = await live_peer(self.store, self.limiter, req)
         pushback = await self._run(lambda tx: renewal.check_renew_rate(tx, node_id))
         if pushback is not None:
             raise ControlError(
@@ -122,7 +125,7 @@ class Gateway:
 
     async def _vouch(self, req: Request) -> Response:
         """A site agent vouches for a machine that booted on its site (discovery)."""
-        node_id, _serial = await self._peer(req)
+        node_id, _serial = await live_peer(self.store, self.limiter, req)
         try:
             vouch = discovery.parse_vouch(wire.loads_object(req.body))
         except wire.WireError as exc:
@@ -130,8 +133,76 @@ class Gateway:
         answer = await self._run(lambda tx: discovery.record_vouch(tx, node_id, vouch))
         return Response(200, wire.dumps(answer), [("content-type", "application/json")])
 
+
+async def _in_tx(store: Store, limiter: trio.CapacityLimiter, fn: Callable[[Tx], T]) -> T:
+    def work() -> T:
+        with store.tx() as tx:
+            return fn(tx)
+
+    return await trio.to_thread.run_sync(work, limiter=limiter)
+
+
+async def live_peer(store: Store, limiter: trio.CapacityLimiter, req: Request) -> tuple[str, str]:
+    """(node id, serial) of the request's client certificate, else UNAUTHENTICATED."""
+    der = req.peer_cert_der
+    if der is None:
+        raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
+    peer = await _in_tx(store, limiter, lambda tx: renewal.peer_status(tx, der))
+    if peer is None:
+        raise ControlError("UNAUTHENTICATED", "this certificate is not a live node certificate")
+    return peer
+
+
+@dataclass
+class Gateway:
+    store: Store
+    upstream: Handler
+    limiter: trio.CapacityLimiter
+    ready: Callable[[], Awaitable[tuple[bool, str]]] | None = None
+    ping_interval_s: float = PING_INTERVAL_S
+    sessions: dict[str, list[_Session]] = field(default_factory=dict)
+    _poked: trio.Event = field(default_factory=trio.Event)
+    draining: bool = False
+
+    def poke(self) -> None:
+        """Look for revocations now (one was made through this process, or notified)."""
+        self._poked.set()
+
+    def drain(self) -> None:
+        """End every session with a clean end of stream; refuse new ones."""
+        self.draining = True
+        for peers in list(self.sessions.values()):
+            for session in peers:
+                with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError,
+                                         trio.ClosedResourceError):  # fmt: skip
+                    session.send.send_nowait(_DRAIN)
+
+    async def _run(self, fn: Callable[[Tx], T]) -> T:
+        return await _in_tx(self.store, self.limiter, fn)
+
+    async def handle(self, req: Request) -> Response:
+        if req.method == "GET" and req.path in ("/healthz", "/readyz"):
+            return await self.health(req.path)
+        if req.method == "POST" and req.path == "/v1/session":
+            return await answering(lambda: self._session(req))
+        if req.method == "POST" and req.path in _UPSTREAM_PATHS:
+            return await answering(lambda: self.upstream(req))
+        return error_response("NOT_FOUND", "no such path")
+
+    async def health(self, path: str) -> Response:
+        if path == "/healthz":
+            return health_response(True, "alive")
+        if self.draining:
+            return health_response(False, "draining")
+        if self.ready is None:
+            return health_response(True, "ready")
+        ok, reason = await self.ready()
+        return health_response(ok, reason)
+
     async def _session(self, req: Request) -> Response:
-        node_id, serial = await self._peer(req)
+        if self.draining:
+            raise ControlError("UNAVAILABLE", "this gateway is shutting down", retry_after_ms=1_000)
+        node_id, serial = await live_peer(self.store, self.limiter, req)
         try:
             hello = wire.parse_hello(wire.loads_object(req.body))
         except wire.WireError as exc:
@@ -165,14 +236,16 @@ class Gateway:
         deadline = trio.current_time() + session.ends_in_s
         try:
             yield _line({"type": "welcome", "session_id": session_id})
-            while trio.current_time() < deadline:
+            while trio.current_time() < deadline and not self.draining:
                 with trio.move_on_at(min(deadline, trio.current_time() + self.ping_interval_s)):
                     notice = await receive.receive()
+                    if notice is _DRAIN:
+                        return  # a clean end of stream: the node redials
                     yield _line(notice)
                     if notice.get("type") == "revocation":
                         return
                     continue
-                if trio.current_time() < deadline:
+                if trio.current_time() < deadline and not self.draining:
                     yield _line({"type": "ping"})
         finally:
             peers = self.sessions.get(session.serial, [])
@@ -186,6 +259,7 @@ class Gateway:
         """Push a RevocationNotice to every live session whose certificate was revoked."""
         since = await self._run(lambda tx: tx.now_ms())
         seen: dict[str, int] = {}
+        store_down = False
         while True:
             with trio.move_on_after(interval_s):
                 await self._poked.wait()
@@ -196,9 +270,17 @@ class Gateway:
             mark = since - renewal.REVOKED_SINCE_OVERLAP_MS
             try:
                 rows = await self._run(functools.partial(renewal.revoked_since, since_ms=mark))
-            except Exception:  # the store may be briefly unavailable; try again
+            except StoreUnavailable:  # catch up from ``since`` once it answers again
+                if not store_down:
+                    log.warning("revocation poll: the database is unavailable; retrying")
+                store_down = True
+                continue
+            except Exception:
                 log.exception("revocation poll failed")
                 continue
+            if store_down:
+                log.info("revocation poll: the database answers again; caught up")
+            store_down = False
             for row in rows:
                 at = int(row["revoked_at"])
                 since = max(since, at)

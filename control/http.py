@@ -59,6 +59,35 @@ Handler = Callable[[Request], Awaitable[Response]]
 _JSON = ("content-type", "application/json")
 
 
+@dataclass
+class Lifecycle:
+    """What a drain needs to know of the connections of one or more listeners.
+
+    ``busy`` counts requests inside a handler (a join, a renewal, a session's
+    stream); ``waiting`` holds the cancel scopes of connections between requests.
+    :meth:`begin_drain` stops accepting, hangs up every waiting connection, and
+    makes every busy one hang up after its answer.
+    """
+
+    draining: trio.Event = field(default_factory=trio.Event)
+    busy: int = 0
+    waiting: set[trio.CancelScope] = field(default_factory=set)
+    accepting: list[trio.CancelScope] = field(default_factory=list)
+
+    def begin_drain(self) -> None:
+        self.draining.set()
+        for scope in [*self.accepting, *self.waiting]:
+            scope.cancel()
+
+    async def wait_idle(self, timeout_s: float) -> bool:
+        """Wait until no request is in a handler; False when ``timeout_s`` ran out."""
+        with trio.move_on_after(timeout_s):
+            while self.busy:  # noqa: ASYNC110 - polled once, at shutdown
+                await trio.sleep(0.05)
+            return True
+        return False
+
+
 def json_response(status: int, obj: object, headers: Sequence[tuple[str, str]] = ()) -> Response:
     return Response(status, dumps(obj), [_JSON, *headers])
 
@@ -76,6 +105,13 @@ def error_response(
     )
 
 
+def health_response(ok: bool, reason: str) -> Response:
+    """``/healthz`` and ``/readyz``: 200 or 503 with a one-line JSON reason."""
+    return json_response(
+        200 if ok else 503, {"status": "ok" if ok else "unavailable", "reason": reason}
+    )
+
+
 def _internal_error() -> Response:
     return error_response("UNAVAILABLE", "internal error")
 
@@ -87,20 +123,48 @@ async def serve(
     *,
     ssl_context: ssl.SSLContext | None = None,
     max_body: int = 64 * 1024,
+    life: Lifecycle | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    """Serve ``handler`` on host:port (0: any free port) until cancelled.
+    """Serve ``handler`` on host:port (0: any free port) until cancelled or drained.
 
-    ``task_status.started`` reports the port actually bound.
+    ``task_status.started`` reports the port actually bound. After
+    ``life.begin_drain()`` no connection is accepted and the call returns once every
+    connection has ended.
     """
+    life = life or Lifecycle()
     listeners = await trio.open_tcp_listeners(port, host=host)
     if port == 0 and len(listeners) > 1:  # each family got its own free port: keep one
         for extra in listeners[1:]:
             await extra.aclose()
         listeners = listeners[:1]
     actual: int = listeners[0].socket.getsockname()[1]
-    task_status.started(actual)
-    await trio.serve_listeners(partial(_connection, handler, ssl_context, max_body), listeners)
+    connection = partial(_connection, handler, ssl_context, max_body, life)
+    async with trio.open_nursery() as connections:
+        with trio.CancelScope() as accepting:
+            life.accepting.append(accepting)
+            task_status.started(actual)
+            async with trio.open_nursery() as acceptors:
+                for listener in listeners:
+                    acceptors.start_soon(_accept, listener, connection, connections)
+        for listener in listeners:
+            with contextlib.suppress(OSError):
+                await listener.aclose()
+
+
+async def _accept(
+    listener: trio.SocketListener,
+    connection: Callable[[trio.SocketStream], Awaitable[None]],
+    nursery: trio.Nursery,
+) -> None:
+    while True:
+        try:
+            tcp = await listener.accept()
+        except OSError as exc:  # EMFILE and the like: wait for connections to end
+            logger.warning("accept failed (%s); retrying in 100 ms", exc.strerror)
+            await trio.sleep(0.1)
+            continue
+        nursery.start_soon(connection, tcp)
 
 
 def _remote(tcp: trio.SocketStream) -> str:
@@ -113,7 +177,11 @@ def _remote(tcp: trio.SocketStream) -> str:
 
 
 async def _connection(
-    handler: Handler, ssl_context: ssl.SSLContext | None, max_body: int, tcp: trio.SocketStream
+    handler: Handler,
+    ssl_context: ssl.SSLContext | None,
+    max_body: int,
+    life: Lifecycle,
+    tcp: trio.SocketStream,
 ) -> None:
     remote = _remote(tcp)
     stream: trio.abc.Stream = tcp
@@ -129,7 +197,7 @@ async def _connection(
                 logger.debug("TLS handshake from %s failed: %r", remote, exc)
                 return
             peer_der = tls.getpeercert(binary_form=True)
-        await _serve_http(stream, handler, max_body, peer_der, remote)
+        await _serve_http(stream, handler, max_body, peer_der, remote, life)
     except _GONE:
         pass  # the client went away or was too slow
     except Exception:
@@ -150,23 +218,34 @@ async def _serve_http(
     max_body: int,
     peer_der: bytes | None,
     remote: str,
+    life: Lifecycle,
 ) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
-    while True:
+    while not life.draining.is_set():
         with trio.CancelScope(deadline=trio.current_time() + IDLE_TIMEOUT) as scope:
-            got = await _read_request(stream, conn, scope, max_body, peer_der, remote)
+            life.waiting.add(scope)
+            try:
+                got = await _read_request(stream, conn, scope, max_body, peer_der, remote)
+            finally:
+                life.waiting.discard(scope)
         if got is None or scope.cancelled_caught:
             return
         if isinstance(got, Response):  # refused before the handler: answer and hang up
             await _respond(stream, conn, "GET", got)
             await _linger(stream)
             return
+        life.busy += 1
         try:
-            response = await handler(got)
-        except Exception:
-            logger.exception("handler failed on %s %s from %s", got.method, got.path, remote)
-            response = _internal_error()
-        await _respond(stream, conn, got.method, response)
+            try:
+                response = await handler(got)
+            except Exception:
+                logger.exception("handler failed on %s %s from %s", got.method, got.path, remote)
+                response = _internal_error()
+            if life.draining.is_set():
+                response.headers.append(("connection", "close"))
+            await _respond(stream, conn, got.method, response)
+        finally:
+            life.busy -= 1
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return
         conn.start_next_cycle()

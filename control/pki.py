@@ -625,21 +625,8 @@ def _memfd(name: str, data: bytes) -> int:
     return fd
 
 
-def server_ssl_context(
-    chain_pem: str, key: ec.EllipticCurvePrivateKey, client_ca_pem: str | None = None
-) -> ssl.SSLContext:
-    """A TLS 1.2+ server context; the key reaches OpenSSL through a memfd, never a file.
-
-    No session tickets are issued (a resumed session skips certificate checks).
-    With ``client_ca_pem`` the server asks for a client certificate chaining to it
-    (``CERT_OPTIONAL``); the application refuses a connection without one, and checks
-    revocation on every connection (OpenSSL's in-process TLS 1.2 session-ID cache
-    cannot be turned off from Python).
-    """
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.options |= ssl.OP_NO_TICKET
-    ctx.num_tickets = 0
+def load_chain(ctx: ssl.SSLContext, chain_pem: str, key: ec.EllipticCurvePrivateKey) -> None:
+    """Give ``ctx`` a certificate chain and its key through memfds, never a file."""
     key_pem = key.private_bytes(
         serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
     )
@@ -656,6 +643,24 @@ def server_ssl_context(
             os.close(key_fd)
     finally:
         os.close(chain_fd)
+
+
+def server_ssl_context(
+    chain_pem: str, key: ec.EllipticCurvePrivateKey, client_ca_pem: str | None = None
+) -> ssl.SSLContext:
+    """A TLS 1.2+ server context; the key reaches OpenSSL through a memfd, never a file.
+
+    No session tickets are issued (a resumed session skips certificate checks).
+    With ``client_ca_pem`` the server asks for a client certificate chaining to it
+    (``CERT_OPTIONAL``); the application refuses a connection without one, and checks
+    revocation on every connection (OpenSSL's in-process TLS 1.2 session-ID cache
+    cannot be turned off from Python).
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_TICKET
+    ctx.num_tickets = 0
+    load_chain(ctx, chain_pem, key)
     if client_ca_pem is not None:
         ctx.load_verify_locations(cadata=client_ca_pem)
         ctx.verify_mode = ssl.CERT_OPTIONAL

@@ -6,8 +6,10 @@ import functools
 import json
 import logging
 import signal
+import ssl
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +18,18 @@ from cryptography import x509
 
 from attestors.discovery import check_settings as check_discovery_settings
 from bcd import fs
+from bcd.pki import cert_pem
 from bcd.plugins import load_plugins
-from bcd.systemd import under_journald
-from control import pki
+from bcd.systemd import notify, under_journald
+from control import gatewaypki, pki, relay, revocations
 from control.api import App
-from control.errors import ControlError
-from control.gateway import Gateway
-from control.http import serve
+from control.errors import ControlError, StoreUnavailable
+from control.gateway import Gateway, NodeCalls
+from control.http import Handler, Lifecycle, Response, health_response, serve
 from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService
+from control.relay import RelayClient, RelayListener
 from control.renewal import RenewService
-from control.store import open_store
+from control.store import Store, open_store
 
 log = logging.getLogger("control.server")
 
@@ -82,6 +86,34 @@ def _split(listen: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+ROLES = ("all", "api", "gateway")
+DRAIN_S = 30.0
+
+
+def _setup_logging() -> None:
+    # Under journald the journal stamps each line: no second timestamp (bcd.systemd).
+    log_format = "%(levelname)s %(name)s: %(message)s"
+    if not under_journald(sys.stderr):
+        log_format = "%(asctime)s " + log_format
+    logging.basicConfig(level=logging.INFO, format=log_format, stream=sys.stderr)
+
+
+async def _db_ready(store: Store, limiter: trio.CapacityLimiter) -> tuple[bool, str]:
+    def ping() -> None:
+        with store.tx() as tx:
+            tx.now_ms()
+
+    try:
+        with trio.fail_after(2):
+            await trio.to_thread.run_sync(ping, limiter=limiter, abandon_on_cancel=True)
+    except (StoreUnavailable, trio.TooSlowError):
+        return False, "the database does not answer"
+    except Exception:
+        log.exception("readiness check failed")
+        return False, "the database check failed"
+    return True, "ready"
+
+
 def main(
     *,
     home: Path,
@@ -91,30 +123,94 @@ def main(
     gateway_san: str,
     gateway_url: str | None,
     ready_file: Path | None,
-    secret: bytes,
+    secret: bytes | None,
     cert_ttl_s: int = CERT_TTL_MAX_S,
     attestor_settings: Mapping[str, str] | None = None,
     downloads: Path | None = None,
+    role: str = "all",
+    relay_listen: str | None = None,
+    relay_san: str | None = None,
+    gateway_dir: Path | None = None,
+    api_upstreams: Sequence[str] = (),
+    drain_s: float = DRAIN_S,
 ) -> int:
-    # Under journald the journal stamps each line: no second timestamp (bcd.systemd).
-    log_format = "%(levelname)s %(name)s: %(message)s"
-    if not under_journald(sys.stderr):
-        log_format = "%(asctime)s " + log_format
-    logging.basicConfig(level=logging.INFO, format=log_format, stream=sys.stderr)
+    """``better-compute serve``: ``role`` all (one process, the default), api or gateway."""
+    _setup_logging()
+    if role not in ROLES:
+        raise ControlError("INVALID_ARGUMENT", f"--role must be one of {', '.join(ROLES)}")
+    if role == "gateway":
+        if gateway_dir is None:
+            raise ControlError("INVALID_ARGUMENT", "--role gateway needs --gateway-dir DIR")
+        parts = _gateway_parts(db_url, gateway_dir, api_upstreams)
+    else:
+        if secret is None:
+            raise ControlError(
+                "INVALID_CONFIG",
+                "set BETTER_COMPUTE_SECRET (at least 16 characters); "
+                "it encrypts the PKI's private keys",
+            )
+        if role == "api" and relay_listen is None:
+            raise ControlError(
+                "INVALID_ARGUMENT", "--role api needs --relay-listen HOST:PORT for the gateways"
+            )
+        parts = _api_parts(
+            role=role,
+            home=home,
+            db_url=db_url,
+            gateway_san=gateway_san,
+            gateway_url=gateway_url,
+            secret=secret,
+            cert_ttl_s=cert_ttl_s,
+            attestor_settings=attestor_settings,
+            downloads=downloads,
+            relay_san=relay_san or gateway_san,
+        )
+    listens = {"api": api_listen, "gateway": gateway_listen}
+    if relay_listen is not None:
+        listens["relay"] = relay_listen
+    try:
+        trio.run(_run, parts, listens, ready_file, drain_s)
+    finally:
+        parts.store.close()
+    return 0
+
+
+@dataclass
+class _Parts:
+    """What one role runs: its store, its listeners' handlers, its background tasks."""
+
+    role: str
+    store: Store
+    limiter: trio.CapacityLimiter
+    handlers: dict[str, tuple[Handler, ssl.SSLContext | None]] = field(default_factory=dict)
+    gateway: Gateway | None = None
+    relay_client: RelayClient | None = None
+    listen_url: str | None = None  # PostgreSQL LISTEN for revocations
+
+
+def _api_parts(
+    *,
+    role: str,
+    home: Path,
+    db_url: str,
+    gateway_san: str,
+    gateway_url: str | None,
+    secret: bytes,
+    cert_ttl_s: int,
+    attestor_settings: Mapping[str, str] | None,
+    downloads: Path | None,
+    relay_san: str,
+) -> _Parts:
     if downloads is not None and not downloads.is_dir():
         raise ControlError("INVALID_CONFIG", f"--downloads {downloads}: not a directory")
     pki_dir = home / "pki"
-    crypto: JoinCrypto | None = None
-    well_known_join: dict[str, Any] | None = None
     try:
         loaded = pki.load_pki(pki_dir, secret)
-        chain_pem, gw_key = pki.load_gateway(pki_dir, gateway_san, secret)
+        chain_pem, gw_key = pki.load_gateway(pki_dir, relay_san if role == "api" else gateway_san,
+                                             secret)  # fmt: skip
     except pki.PkiSetupError as exc:
         raise ControlError("INVALID_CONFIG", str(exc)) from exc
     crypto = join_crypto(loaded, cert_ttl_s)
-    well_known_join = dict(loaded.well_known_join())
-    node_ca_pem = loaded.chain_tail_pem()
-    ssl_ctx = pki.server_ssl_context(chain_pem, gw_key, client_ca_pem=node_ca_pem)
     settings = dict(attestor_settings or {})
     check_tpm_settings(settings)
     check_x509pop_settings(settings)
@@ -134,43 +230,129 @@ def main(
             "servingCaPin": loaded.pins()["serving_ca_spki_pin"],
         }
     limiter = trio.CapacityLimiter(8)
-    joinservice = JoinService(store, crypto, plugins, settings)
-    gateway = Gateway(store, joinservice, RenewService(store, crypto), limiter)
+    calls = NodeCalls(store, JoinService(store, crypto, plugins, settings),
+                      RenewService(store, crypto), limiter)  # fmt: skip
+    parts = _Parts(role, store, limiter)
+
+    async def ready() -> tuple[bool, str]:
+        return await _db_ready(store, limiter)
+
+    on_revocation: Callable[[], None] = lambda: None  # noqa: E731
+    if role == "all":
+        gateway = Gateway(store, calls.handle, limiter, ready=ready)
+        node_ca_pem = loaded.chain_tail_pem()
+        ssl_ctx = pki.server_ssl_context(chain_pem, gw_key, client_ca_pem=node_ca_pem)
+        parts.handlers["gateway"] = (gateway.handle, ssl_ctx)
+        parts.gateway = gateway
+        on_revocation = gateway.poke
+        if store.dialect == "postgres":
+            parts.listen_url = db_url
+    else:
+        relay_ctx = pki.server_ssl_context(
+            chain_pem, gw_key, client_ca_pem=cert_pem(loaded.serving_ca)
+        )
+        listener = RelayListener(calls.handle, functools.partial(_health, ready))
+        parts.handlers["relay"] = (listener.handle, relay_ctx)
     app = App(
         store=store,
-        well_known_join=well_known_join,
+        well_known_join=dict(loaded.well_known_join()),
         gateway=gateway_doc,
         limiter=limiter,
-        on_revocation=gateway.poke,
+        on_revocation=on_revocation,
         downloads=downloads.absolute() if downloads is not None else None,
+        ready=ready,
     )
-    api_host, api_port = _split(api_listen)
-    gw_host, gw_port = _split(gateway_listen)
+    parts.handlers["api"] = (app.api, None)
+    return parts
 
-    async def run() -> None:
-        async with trio.open_nursery() as nursery:
-            api_bound = await nursery.start(functools.partial(serve, app.api, api_host, api_port))
-            gw_bound = await nursery.start(
-                functools.partial(serve, gateway.handle, gw_host, gw_port, ssl_context=ssl_ctx)
-            )
-            nursery.start_soon(gateway.revocation_poller)
-            ready = {
-                "api": f"http://{api_host}:{api_bound}",
-                "gateway": f"https://{gw_host}:{gw_bound}",
-                "gateway_port": gw_bound,
-                "api_port": api_bound,
-            }
+
+def _gateway_parts(db_url: str, gateway_dir: Path, api_upstreams: Sequence[str]) -> _Parts:
+    try:
+        bundle = gatewaypki.load_bundle(gateway_dir)
+    except pki.PkiSetupError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+    for url in api_upstreams:
+        if not url.startswith("https://"):
+            raise ControlError("INVALID_ARGUMENT", f"--api-upstream {url}: must be https://")
+    try:
+        store = open_store(db_url, read_only=True, timeout=5.0)
+    except ValueError as exc:
+        raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
+    limiter = trio.CapacityLimiter(8)
+    relay_client = RelayClient(api_upstreams, relay.client_context(bundle))
+
+    async def ready() -> tuple[bool, str]:
+        ok, reason = await _db_ready(store, limiter)
+        if not ok:
+            return ok, reason
+        if not await relay_client.any_up():
+            return False, "no API upstream answers"
+        return True, "ready"
+
+    gateway = Gateway(store, relay_client.forward, limiter, ready=ready)
+    ssl_ctx = pki.server_ssl_context(
+        bundle.serving_chain_pem, bundle.serving_key, client_ca_pem=bundle.node_ca_pem
+    )
+    parts = _Parts("gateway", store, limiter, gateway=gateway, relay_client=relay_client)
+    parts.handlers["gateway"] = (gateway.handle, ssl_ctx)
+    parts.listen_url = db_url
+    return parts
+
+
+async def _health(ready: Callable[[], Awaitable[tuple[bool, str]]], path: str) -> Response:
+    if path == "/healthz":
+        return health_response(True, "alive")
+    ok, reason = await ready()
+    return health_response(ok, reason)
+
+
+async def _run(
+    parts: _Parts, listens: Mapping[str, str], ready_file: Path | None, drain_s: float
+) -> None:
+    life = Lifecycle()
+    async with trio.open_nursery() as nursery:
+        bound: dict[str, int] = {}
+        async with trio.open_nursery() as servers:
+            for name, (handler, ctx) in parts.handlers.items():
+                host, port = _split(listens[name])
+                bound[name] = await servers.start(
+                    functools.partial(serve, handler, host, port, ssl_context=ctx, life=life)
+                )
+            if parts.gateway is not None:
+                nursery.start_soon(parts.gateway.revocation_poller)
+                if parts.listen_url is not None:
+                    nursery.start_soon(revocations.listen, parts.listen_url, parts.gateway.poke)
+            ready = _ready_doc(parts.role, listens, bound)
             if ready_file is not None:
                 fs.atomic_write(ready_file, json.dumps(ready).encode(), 0o644)
-            log.info("serving the API on %s and the gateway on %s", ready["api"], ready["gateway"])
+            log.info(
+                "serving (role %s): %s",
+                parts.role,
+                ", ".join(f"{k} on {v}" for k, v in ready.items() if "://" in str(v)),
+            )
+            notify("READY=1", f"STATUS=serving, role {parts.role}")
             with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
                 async for _ in signals:
-                    log.info("shutting down")
-                    nursery.cancel_scope.cancel()
                     break
+            notify("STOPPING=1")
+            log.info("draining: no new connections, sessions end, calls in flight finish")
+            life.begin_drain()
+            if parts.gateway is not None:
+                parts.gateway.drain()
+            if not await life.wait_idle(drain_s):
+                log.warning("drain: calls still in flight after %.0f s; stopping anyway", drain_s)
+            servers.cancel_scope.cancel()
+        if parts.relay_client is not None:
+            await parts.relay_client.aclose()
+        nursery.cancel_scope.cancel()
+    log.info("stopped")
 
-    try:
-        trio.run(run)
-    finally:
-        store.close()
-    return 0
+
+def _ready_doc(role: str, listens: Mapping[str, str], bound: Mapping[str, int]) -> dict[str, Any]:
+    doc: dict[str, Any] = {"role": role}
+    for name, port in bound.items():
+        host, _ = _split(listens[name])
+        scheme = "http" if name == "api" else "https"
+        doc[name] = f"{scheme}://{host}:{port}"
+        doc[f"{name}_port"] = port
+    return doc

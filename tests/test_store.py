@@ -16,7 +16,7 @@ def test_migrations_apply_once_and_are_numbered(store: Store) -> None:
     assert store.migrate() == []
     with store.tx() as tx:
         versions = [r["version"] for r in tx.query("SELECT version FROM schema_migrations")]
-    assert versions == [v for v, _ in migrations()]
+    assert versions == [v for v, _, _ in migrations()]
 
 
 def test_compute_now_is_the_database_clock(store: Store) -> None:

@@ -34,6 +34,10 @@ class Tx(abc.ABC):
     def now_ms(self) -> int:
         """``compute_now()``: the database's time at the start of this transaction."""
 
+    def script(self, sql: str) -> None:
+        """Run a dialect's own migration script as it is (PostgreSQL only)."""
+        raise NotImplementedError(f"{type(self).__name__} runs no scripts")
+
 
 class Store(abc.ABC):
     dialect: str
@@ -59,11 +63,15 @@ class Store(abc.ABC):
                 "(version INTEGER PRIMARY KEY, applied_at BIGINT NOT NULL)"
             )
             done = {r["version"] for r in tx.query("SELECT version FROM schema_migrations")}
-            for version, sql in migrations():
+            for version, dialect, sql in migrations():
                 if version in done:
                     continue
-                for statement in split_sql(sql):
-                    tx.execute(statement)
+                if dialect is None:
+                    for statement in split_sql(sql):
+                        tx.execute(statement)
+                elif dialect == self.dialect:
+                    tx.script(sql)
+                # a migration of another dialect only takes its number
                 tx.execute(
                     "INSERT INTO schema_migrations (version, applied_at) VALUES (?, ?)",
                     (version, tx.now_ms()),
@@ -75,14 +83,17 @@ class Store(abc.ABC):
         """Serialise concurrent migrators (PostgreSQL takes an advisory lock)."""
 
 
-def migrations() -> list[tuple[int, str]]:
-    out = []
+def migrations() -> list[tuple[int, str | None, str]]:
+    """(number, dialect, SQL): ``NNNN_name.sql`` runs on both stores, statement by
+    statement; ``NNNN_name.postgres.sql`` is PostgreSQL's own script, run whole (its
+    functions hold semicolons), and only takes its number on SQLite."""
+    out: list[tuple[int, str | None, str]] = []
     folder = importlib.resources.files("control.store") / "migrations"
     for entry in folder.iterdir():
-        m = re.fullmatch(r"(\d{4})_[a-z0-9_]+\.sql", entry.name)
+        m = re.fullmatch(r"(\d{4})_[a-z0-9_]+(?:\.(postgres))?\.sql", entry.name)
         if m:
-            out.append((int(m.group(1)), entry.read_text(encoding="utf-8")))
-    return sorted(out)
+            out.append((int(m.group(1)), m.group(2), entry.read_text(encoding="utf-8")))
+    return sorted(out, key=lambda item: item[0])
 
 
 def split_sql(script: str) -> list[str]:
@@ -90,14 +101,21 @@ def split_sql(script: str) -> list[str]:
     return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
-def open_store(url: str) -> Store:
-    """``sqlite:///path/to/file.db`` or ``postgresql://…``."""
+def open_store(url: str, *, read_only: bool = False, timeout: float = 30.0) -> Store:
+    """``sqlite:///path/to/file.db`` or ``postgresql://…``.
+
+    ``read_only`` (PostgreSQL only: the gateway role) makes every transaction read
+    only; ``timeout`` bounds the wait for a connection before the store is reported
+    unavailable.
+    """
     if url.startswith("sqlite:///"):
+        if read_only:
+            raise ValueError("a read-only store (serve --role gateway) needs postgresql://")
         from control.store.sqlite import SqliteStore
 
         return SqliteStore(url[len("sqlite:///") :])
     if url.startswith(("postgresql://", "postgres://")):
         from control.store.postgres import PostgresStore
 
-        return PostgresStore(url)
+        return PostgresStore(url, read_only=read_only, timeout=timeout, max_size=8)
     raise ValueError("the database URL must start with sqlite:/// or postgresql://")

@@ -10,9 +10,9 @@ from typing import Any
 import psycopg
 import psycopg.errors
 from psycopg.rows import dict_row
-from psycopg_pool import ConnectionPool
+from psycopg_pool import ConnectionPool, PoolTimeout
 
-from control.errors import StoreConflict
+from control.errors import StoreConflict, StoreUnavailable
 from control.store.base import Params, Row, Store, Tx
 
 _NOW = "SELECT (extract(epoch from now()) * 1000)::bigint AS now"
@@ -51,40 +51,72 @@ class _PgTx(Tx):
             self._now = int(row["now"])
         return self._now
 
+    def script(self, sql: str) -> None:
+        # No parameters: psycopg sends the text as is, several statements and
+        # dollar-quoted function bodies included.
+        self._conn.execute(sql.encode())
 
-def _configure(conn: psycopg.Connection[Any]) -> None:
-    """Cancelling a trio task does not stop a running query: bound every statement."""
-    conn.execute("SET statement_timeout = 30000")
-    conn.execute("SET lock_timeout = 30000")
-    conn.commit()
+
+def _configure(read_only: bool) -> Any:
+    def configure(conn: psycopg.Connection[Any]) -> None:
+        """Cancelling a trio task does not stop a running query: bound every statement."""
+        conn.execute("SET statement_timeout = 30000")
+        conn.execute("SET lock_timeout = 30000")
+        if read_only:  # the gateway role: a second fence behind its grants
+            conn.execute("SET default_transaction_read_only = on")
+        conn.commit()
+
+    return configure
+
+
+CONNECT_TIMEOUT_S = 5
 
 
 class PostgresStore(Store):
+    """``timeout``: how long a transaction waits for a connection before the store is
+    reported unavailable (:class:`StoreUnavailable`, UNAVAILABLE with a pushback)."""
+
     dialect = "postgres"
 
-    def __init__(self, url: str, *, max_size: int = 8) -> None:
+    def __init__(
+        self, url: str, *, max_size: int = 8, timeout: float = 30.0, read_only: bool = False
+    ) -> None:
         self.url = url
         self._pool: ConnectionPool = ConnectionPool(
             url,
             min_size=1,
             max_size=max_size,
-            kwargs={"row_factory": dict_row, "autocommit": False},
-            configure=_configure,
+            kwargs={
+                "row_factory": dict_row,
+                "autocommit": False,
+                "connect_timeout": CONNECT_TIMEOUT_S,
+            },
+            configure=_configure(read_only),
+            timeout=timeout,
             open=True,
+            # the gateway checks a connection before each use, so the first call after a
+            # database restart does not fail on a dead connection
+            check=ConnectionPool.check_connection if read_only else None,
         )
 
     @contextlib.contextmanager
     def tx(self) -> Iterator[Tx]:
-        with self._pool.connection() as conn:
-            try:
-                yield _PgTx(conn)
-            except BaseException:
-                conn.rollback()
-                raise
-            try:
-                conn.commit()
-            except psycopg.errors.UniqueViolation as exc:
-                raise StoreConflict("unique constraint") from exc
+        try:
+            with self._pool.connection() as conn:
+                try:
+                    yield _PgTx(conn)
+                except BaseException:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.rollback()
+                    raise
+                try:
+                    conn.commit()
+                except psycopg.errors.UniqueViolation as exc:
+                    raise StoreConflict("unique constraint") from exc
+        except (PoolTimeout, psycopg.OperationalError) as exc:
+            # no connection within ``timeout``, the server went away, a statement or
+            # lock timeout: the database cannot answer now (never a bug's 503)
+            raise StoreUnavailable() from exc
 
     def _lock_migrations(self, tx: Tx) -> None:
         tx.query("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))

@@ -1,0 +1,204 @@
+"""The relay between gateways and API replicas: mutual TLS, and nothing to mint with.
+
+A gateway (``serve --role gateway``) answers nodes itself only for sessions and
+health. ``POST /v1/join``, ``/v1/renew`` and the vouch path it relays, body as it
+came, to an API replica's relay listener (``serve --role api --relay-listen``),
+adding two headers:
+
+- ``bc-relay-peer-cert``: the node's TLS client certificate, base64 DER (absent
+  when it sent none);
+- ``bc-relay-remote``: the node's address as the gateway saw it (``host:port``).
+
+The relay listener believes those headers only from a verified relay certificate
+(:func:`control.gatewaypki.is_relay_certificate`), then judges the call exactly as
+the one-process ``serve`` does (:class:`control.gateway.NodeCalls`). What a stolen
+relay credential buys: the calls a node could make anyway. A join still needs a
+token sealed to a key the gateway does not hold, bound to the CSR it was sealed
+with; a renewal still needs the node key's proof of possession.
+
+Several upstreams are tried in turn (``--api-upstream``, repeatable), starting with
+the last one that answered: a connection or TLS failure, a reset or a timeout moves
+the call to the next. A call is retried on another replica even when the first may
+have committed it: a join is answered again for the same CSR (JoinService's lost
+answer rule), a renewal issues another certificate within the 6 an hour, a vouch
+refreshes. When none answers: ``UNAVAILABLE`` with ``retry-pushback-ms``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import dataclasses
+import logging
+import ssl
+from collections.abc import Awaitable, Callable, Sequence
+
+import httpx
+import trio
+
+from control import discovery
+from control.errors import ControlError
+from control.gatewaypki import GatewayBundle, is_relay_certificate
+from control.http import Request, Response, error_response
+from control.pki import load_chain
+
+log = logging.getLogger("control.relay")
+
+PEER_CERT_HEADER = "bc-relay-peer-cert"
+REMOTE_HEADER = "bc-relay-remote"
+RELAYED_PATHS = frozenset({"/v1/join", "/v1/renew", discovery.VOUCH_PATH})
+MAX_ANSWER = 1 << 20  # an API replica's answer is a few KiB; more is not relayed
+MAX_PEER_CERT_B64 = 8 * 1024
+MAX_REMOTE = 64
+NONE_UP_PUSHBACK_MS = 1_000
+CONNECT_TIMEOUT_S = 3.0
+CALL_TIMEOUT_S = 35.0  # beyond the API's own 30 s per request
+HEALTH_TIMEOUT_S = 2.0
+_PASSED_HEADERS = ("content-type", "retry-pushback-ms")
+
+
+def client_context(bundle: GatewayBundle) -> ssl.SSLContext:
+    """The relay's TLS client: the serving CA is the only trust anchor, the relay
+    certificate is presented, host names are checked."""
+    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=bundle.serving_ca_pem)
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    load_chain(ctx, bundle.relay_chain_pem, bundle.relay_key)
+    return ctx
+
+
+class RelayClient:
+    """Relays node calls to API replicas; one httpx client, its pool per upstream."""
+
+    def __init__(
+        self,
+        upstreams: Sequence[str],
+        ctx: ssl.SSLContext,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not upstreams:
+            raise ControlError("INVALID_CONFIG", "a gateway needs at least one --api-upstream URL")
+        self.upstreams = [u.rstrip("/") for u in upstreams]
+        self._preferred = 0
+        self._client = httpx.AsyncClient(
+            verify=ctx,
+            transport=transport,
+            timeout=httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
+            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
+            trust_env=False,
+            follow_redirects=False,
+        )
+        self._up_checked_at = -1e9
+        self._up = False
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def _order(self) -> list[int]:
+        n = len(self.upstreams)
+        return [(self._preferred + i) % n for i in range(n)]
+
+    async def forward(self, req: Request) -> Response:
+        headers = {
+            "content-type": req.headers.get("content-type", "application/json")[:100],
+            REMOTE_HEADER: req.remote[:MAX_REMOTE],
+        }
+        if req.peer_cert_der is not None:
+            headers[PEER_CERT_HEADER] = base64.b64encode(req.peer_cert_der).decode("ascii")
+        for index in self._order():
+            url = self.upstreams[index] + req.path
+            try:
+                async with self._client.stream(
+                    "POST", url, content=req.body, headers=headers
+                ) as answer:
+                    body = await _bounded(answer)
+            except (httpx.TransportError, _TooLarge) as exc:
+                log.warning("relay to %s failed (%s); trying the next", url, type(exc).__name__)
+                continue
+            self._preferred = index
+            kept = [(n, answer.headers[n]) for n in _PASSED_HEADERS if n in answer.headers]
+            return Response(answer.status_code, body, kept)
+        raise ControlError(
+            "UNAVAILABLE",
+            "no JoinService replica answers; retry",
+            retry_after_ms=NONE_UP_PUSHBACK_MS,
+        )
+
+    async def any_up(self) -> bool:
+        """Whether an upstream answers its ``/healthz`` (asked at most once a second)."""
+        now = trio.current_time()
+        if now - self._up_checked_at < 1.0:
+            return self._up
+        self._up_checked_at = now
+        for index in self._order():
+            try:
+                answer = await self._client.get(
+                    self.upstreams[index] + "/healthz", timeout=HEALTH_TIMEOUT_S
+                )
+            except httpx.TransportError:
+                continue
+            if answer.status_code == 200:
+                self._up = True
+                return True
+        self._up = False
+        return False
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _bounded(answer: httpx.Response) -> bytes:
+    body = bytearray()
+    async for chunk in answer.aiter_raw():
+        body += chunk
+        if len(body) > MAX_ANSWER:
+            raise _TooLarge
+    return bytes(body)
+
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclasses.dataclass
+class RelayListener:
+    """The API replica's side: only relay certificates, only the relayed paths."""
+
+    calls: Handler
+    health: Callable[[str], Awaitable[Response]]
+
+    async def handle(self, req: Request) -> Response:
+        if req.method == "GET" and req.path in ("/healthz", "/readyz"):
+            return await self.health(req.path)
+        if is_relay_certificate(req.peer_cert_der) is None:
+            return error_response("UNAUTHENTICATED", "a relay client certificate is required")
+        if req.method != "POST" or req.path not in RELAYED_PATHS:
+            return error_response("NOT_FOUND", "no such path")
+        try:
+            inner = dataclasses.replace(
+                req,
+                peer_cert_der=_peer_cert(req.headers.get(PEER_CERT_HEADER)),
+                remote=_remote(req.headers.get(REMOTE_HEADER)),
+            )
+        except ValueError as exc:
+            return error_response("INVALID_ARGUMENT", str(exc))
+        return await self.calls(inner)
+
+
+def _peer_cert(value: str | None) -> bytes | None:
+    if value is None:
+        return None
+    if len(value) > MAX_PEER_CERT_B64:
+        raise ValueError(f"{PEER_CERT_HEADER} is longer than {MAX_PEER_CERT_B64} characters")
+    try:
+        return base64.b64decode(value, validate=True)
+    except (binascii.Error, ValueError):
+        raise ValueError(f"{PEER_CERT_HEADER} is not base64") from None
+
+
+def _remote(value: str | None) -> str:
+    if value is None:
+        return "unknown"
+    if len(value) > MAX_REMOTE or not value.isascii() or not value.isprintable():
+        raise ValueError(f"{REMOTE_HEADER} is not an address")
+    return value
