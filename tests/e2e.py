@@ -75,6 +75,8 @@ class ControlPlane:
     root_tenant: str
     root_credential_file: Path
     store: Store
+    ready: dict[str, Any]
+    """The ready file's document: the role and every bound listener."""
 
     @classmethod
     def start(
@@ -134,7 +136,10 @@ class ControlPlane:
                 raise RuntimeError("serve did not start: " + (home / "serve.log").read_text())
             time.sleep(0.02)
         info = json.loads(ready.read_text())
-        return cls(home, db_url, proc, info["api"], info["gateway_port"], root, cred_file, store)
+        return cls(
+            home, db_url, proc, info["api"], info.get("gateway_port", 0), root, cred_file, store,
+            info,
+        )  # fmt: skip
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -267,7 +272,14 @@ class Node:
 
     @classmethod
     def make(
-        cls, root: Path, cp: ControlPlane, site: str, *, seed: int = 1, write_jwk: bool = True
+        cls,
+        root: Path,
+        cp: ControlPlane,
+        site: str,
+        *,
+        seed: int = 1,
+        write_jwk: bool = True,
+        gateway_port: int | None = None,
     ) -> Node:
         etc = root / "etc"
         etc.mkdir(parents=True, exist_ok=True)
@@ -275,7 +287,7 @@ class Node:
         pins = cp.pins()
         config = etc / "config.toml"
         config.write_text(
-            f'gateway_url = "https://127.0.0.1:{cp.gateway_port}"\n'
+            f'gateway_url = "https://127.0.0.1:{gateway_port or cp.gateway_port}"\n'
             f'site = "{site}"\n'
             + "".join(f'{k} = "{v}"\n' for k, v in pins.items())
             + f'data_dir = "{data}"\n'

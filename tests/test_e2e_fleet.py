@@ -1,0 +1,231 @@
+"""The fleet shape with real processes on PostgreSQL: API replicas, gateways that relay.
+
+Nodes join through either gateway and renew through the other; a revocation made
+on an API replica reaches a session on either gateway; a gateway killed with
+SIGKILL loses its nodes to the other one (the tests' load balancer is a TCP
+forwarder switched to the survivor); an API replica killed with SIGKILL moves the
+relay to the next upstream; the renewal limit and the proof replay window hold
+across gateways and replicas.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import trio
+
+from bcd import pki
+from bcd.httpclient import request
+from bcd.identity import LoadedState, load_state
+from bcd.keys.file import key_to_pem
+from bcd.renew import build_request
+from bcd.tls import connect_pinned
+from tests.e2e import BIN, ControlPlane, Node, cli_env
+from tests.fleet import Fleet, Forwarder, fleet, relay_url
+
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
+
+
+def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class RunningNode:
+    """``bcd node`` with its log in a file, so a test can read it while it runs."""
+
+    def __init__(self, node: Node) -> None:
+        self.node = node
+        self.log_path = node.root / "node.log"
+        self.proc = subprocess.Popen(
+            [str(BIN / "bcd"), "node", "--config", str(node.config)],
+            env=cli_env(node.root, secret=False),
+            stdout=subprocess.DEVNULL,
+            stderr=open(self.log_path, "wb"),  # noqa: SIM115 - the process owns it
+        )
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def sessions(self) -> int:
+        return self.log().count("session open (")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def joined(f: Fleet, root: Path, seed: int, site: str, pool: str, port: int) -> Node:
+    node = Node.make(root, f.api, site, seed=seed, gateway_port=port)
+    done = node.join(f.api.token(pool)["token"])
+    assert done.returncode == 0, done.stderr
+    return node
+
+
+def node_id(node: Node) -> str:
+    return str(json.loads((node.data_dir / "identity.json").read_text())["node_id"])
+
+
+async def renew_at(
+    cp: ControlPlane, port: int, state: LoadedState, body: bytes
+) -> tuple[int, dict[str, str], bytes]:
+    stream = await connect_pinned(
+        "127.0.0.1",
+        port,
+        "127.0.0.1",
+        cp.pins()["serving_ca_spki_pin"],
+        client_cert=(state.identity.chain, key_to_pem(state.key)),
+    )
+    try:
+        resp = await request(stream, "POST", "/v1/renew", "127.0.0.1", body)
+    finally:
+        await stream.aclose()
+    return resp.status, dict(resp.headers), resp.body
+
+
+def renew_body(state: LoadedState) -> bytes:
+    _csr, req = build_request(state, pki.generate_key(), int(time.time() * 1000))
+    return json.dumps(req.to_json()).encode()
+
+
+def loaded(node: Node) -> LoadedState:
+    state = load_state(node.data_dir)
+    assert isinstance(state, LoadedState)
+    return state
+
+
+async def test_join_through_one_gateway_renew_through_the_other_revoke_on_either(
+    tmp_path: Path, pki_template: Path
+) -> None:
+    with fleet(tmp_path, pki_template, apis=1, gateways=2) as f:
+        gw1, gw2 = f.gateways
+        # the gateways hold no secret and no PKI
+        for gw in f.gateways:
+            environ = Path(f"/proc/{gw.proc.pid}/environ").read_bytes()
+            assert b"BETTER_COMPUTE_SECRET" not in environ
+            assert not (gw.home / "pki").exists()
+        site, pool = f.api.site_and_pool()
+        a = joined(f, tmp_path / "a", 1, site, pool, gw1.port)
+        b = joined(f, tmp_path / "b", 2, site, pool, gw2.port)
+        for node, other in ((a, gw2), (b, gw1)):
+            state = loaded(node)
+            status, _h, body = await renew_at(f.api, other.port, state, renew_body(state))
+            assert status == 200, body
+        runs = [RunningNode(a), RunningNode(b)]
+        try:
+            for run in runs:
+                wait_for(lambda run=run: run.sessions() >= 1, 20, "a session")
+            assert node_id(a) in gw1.log() and node_id(b) in gw2.log()
+            for node in (a, b):
+                done = f.api.cli("nodes", "revoke-identity", node_id(node),
+                                 "--tenant", f.api.root_tenant)  # fmt: skip
+                assert done.returncode == 0, done.stderr
+            for run in runs:
+                assert run.proc.wait(10) == 1
+                assert "this node's certificate was revoked" in run.log()
+        finally:
+            for run in runs:
+                run.stop()
+
+
+async def test_a_killed_gateway_s_nodes_hold_a_session_through_the_other(
+    tmp_path: Path, pki_template: Path
+) -> None:
+    with fleet(tmp_path, pki_template, apis=1, gateways=2) as f:
+        gw1, gw2 = f.gateways
+        balancer = Forwarder(gw1.port)
+        f.forwarders.append(balancer)
+        site, pool = f.api.site_and_pool()
+        node = joined(f, tmp_path / "n", 3, site, pool, balancer.port)
+        run = RunningNode(node)
+        try:
+            wait_for(lambda: run.sessions() >= 1, 20, "the first session")
+            assert node_id(node) in gw1.log()
+            gw1.kill()  # kill -9
+            balancer.switch(gw2.port)
+            wait_for(lambda: run.sessions() >= 2, 30, "a session through the other gateway")
+            assert node_id(node) in gw2.log()
+            assert run.proc.poll() is None
+        finally:
+            run.stop()
+
+
+async def test_a_killed_api_replica_moves_the_relay_to_the_next(
+    tmp_path: Path, pki_template: Path
+) -> None:
+    with fleet(tmp_path, pki_template, apis=2, gateways=1) as f:
+        (gw,) = f.gateways
+        site, pool = f.api.site_and_pool()
+        joined(f, tmp_path / "a", 4, site, pool, gw.port)
+        first = f.apis[0]
+        first.proc.kill()  # kill -9 the upstream the relay prefers
+        first.proc.wait(10)
+        token = f.apis[1].token(pool)["token"]
+        node = Node.make(tmp_path / "b", f.apis[1], site, seed=5, gateway_port=gw.port)
+        done = node.join(token)
+        assert done.returncode == 0, done.stderr
+        assert f"relay to {relay_url(first)}" in gw.log()
+        row = f.apis[1].one("SELECT count(*) AS n FROM nodes")
+        assert row is not None and row["n"] == 2
+
+
+async def test_renewal_limit_and_proof_replay_hold_across_gateways_and_replicas(
+    tmp_path: Path, pki_template: Path
+) -> None:
+    with fleet(tmp_path, pki_template, apis=2, gateways=0) as f:
+        api1, api2 = f.apis
+        gw1 = f.add_gateway("gw1", [relay_url(api1)])
+        gw2 = f.add_gateway("gw2", [relay_url(api2)])
+        site, pool = api1.site_and_pool()
+        node = joined(f, tmp_path / "n", 6, site, pool, gw1.port)
+        state = loaded(node)
+        body = renew_body(state)
+        status, _h, answer = await renew_at(api1, gw1.port, state, body)
+        assert status == 200, answer
+        # the same proof through the other gateway and the other replica: a replay
+        status, _h, answer = await renew_at(api1, gw2.port, state, body)
+        assert status == 403
+        assert json.loads(answer) == {"code": "ACCESS_DENIED", "message": "Renew refused"}
+        reasons = [e["reason"] for e in api1.events(type_="security.renew.refused")]
+        assert reasons == ["pop-replay"]
+        # five more renewals alternating gateways and replicas: six in the hour
+        for i in range(5):
+            port = (gw2, gw1)[i % 2].port
+            status, _h, answer = await renew_at(api1, port, state, renew_body(state))
+            assert status == 200, answer
+        status, headers, answer = await renew_at(api1, gw2.port, state, renew_body(state))
+        assert status == 429, answer
+        assert json.loads(answer)["code"] == "RESOURCE_EXHAUSTED"
+        assert int(headers["retry-pushback-ms"]) > 0
+
+
+async def test_health_endpoints_of_every_role(tmp_path: Path, pki_template: Path) -> None:
+    import httpx
+
+    with fleet(tmp_path, pki_template, apis=1, gateways=1) as f:
+        (gw,) = f.gateways
+        api = f.api
+        async with httpx.AsyncClient(verify=False) as client:  # noqa: S501 - reading health only
+            for base in (api.api, relay_url(api), gw.url):
+                for path in ("/healthz", "/readyz"):
+                    answer = await client.get(base + path)
+                    assert answer.status_code == 200, (base, path, answer.text)
+                    assert answer.json()["status"] == "ok"
+            api.proc.kill()  # the gateway's only upstream is gone
+            api.proc.wait(10)
+            deadline = time.monotonic() + 5  # readiness is asked at most once a second
+            while (answer := await client.get(gw.url + "/readyz")).status_code == 200:
+                assert time.monotonic() < deadline, "readyz still 200 without an upstream"
+                await trio.sleep(0.2)
+            assert answer.status_code == 503
+            assert answer.json() == {"status": "unavailable", "reason": "no API upstream answers"}
+            assert (await client.get(gw.url + "/healthz")).status_code == 200
