@@ -153,7 +153,9 @@ def start_gateway(
     return Gateway(home, proc, int(info["gateway_port"]), info)
 
 
-def start_api(home: Path, pki_template: Path, db_url: str, extra: Sequence[str] = ()) -> ControlPlane:
+def start_api(
+    home: Path, pki_template: Path, db_url: str, extra: Sequence[str] = ()
+) -> ControlPlane:
     home.mkdir(parents=True, exist_ok=True)
     return ControlPlane.start(
         home,
@@ -195,7 +197,9 @@ class Fleet:
     def api(self) -> ControlPlane:
         return self.apis[0]
 
-    def add_gateway(self, name: str, upstreams: Sequence[str] | None = None, **kw: object) -> Gateway:
+    def add_gateway(
+        self, name: str, upstreams: Sequence[str] | None = None, **kw: object
+    ) -> Gateway:
         ups = list(upstreams) if upstreams is not None else [relay_url(a) for a in self.apis]
         gw = start_gateway(self.root / name, self.bundle, kw.pop("db_url", self.gateway_db_url),  # type: ignore[arg-type]
                            ups, **kw)  # type: ignore[arg-type]  # fmt: skip
@@ -215,9 +219,7 @@ class Fleet:
 
 
 @contextlib.contextmanager
-def fleet(
-    root: Path, pki_template: Path, *, apis: int = 1, gateways: int = 2
-) -> Iterator[Fleet]:
+def fleet(root: Path, pki_template: Path, *, apis: int = 1, gateways: int = 2) -> Iterator[Fleet]:
     with pg_schema() as schema:
         url = pg_schema_url(schema)
         started: list[ControlPlane] = []

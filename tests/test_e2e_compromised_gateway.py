@@ -66,6 +66,20 @@ def test_the_gateway_bundle_holds_only_its_own_two_keys(tmp_path: Path, pki_temp
         gatewaypki.load_bundle(out)
 
 
+def _spawn_join(node: Node, token: str) -> subprocess.Popen[bytes]:
+    proc = subprocess.Popen(
+        [str(BIN / "bcd"), "join", "--sysfs-root", str(node.sysfs), "--config", str(node.config)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=cli_env(node.root, secret=False),
+    )
+    assert proc.stdin is not None
+    proc.stdin.write((token + "\n").encode())
+    proc.stdin.close()
+    return proc
+
+
 async def _capture_join(node: Node, token: str, bundle: gatewaypki.GatewayBundle) -> dict[str, Any]:
     """Act as the gateway bcd dials (its real serving certificate): keep the JoinRequest."""
     seen: list[bytes] = []
@@ -78,20 +92,14 @@ async def _capture_join(node: Node, token: str, bundle: gatewaypki.GatewayBundle
 
     ctx = server_ssl_context(bundle.serving_chain_pem, bundle.serving_key)
     async with trio.open_nursery() as nursery:
-        port = await nursery.start(functools.partial(serve, handler, "127.0.0.1", 0, ssl_context=ctx))
+        port = await nursery.start(
+            functools.partial(serve, handler, "127.0.0.1", 0, ssl_context=ctx)
+        )
         lines = node.config.read_text().splitlines()
         node.config.write_text("\n".join(
             f'gateway_url = "https://127.0.0.1:{port}"' if ln.startswith("gateway_url") else ln
             for ln in lines) + "\n")  # fmt: skip
-        proc = subprocess.Popen(
-            [str(BIN / "bcd"), "join", "--sysfs-root", str(node.sysfs), "--config",
-             str(node.config)],
-            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            env=cli_env(node.root, secret=False),
-        )  # fmt: skip
-        assert proc.stdin is not None
-        proc.stdin.write((token + "\n").encode())
-        proc.stdin.close()
+        proc = _spawn_join(node, token)
         try:
             with trio.fail_after(30):
                 await got.wait()

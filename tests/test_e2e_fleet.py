@@ -71,6 +71,10 @@ def joined(f: Fleet, root: Path, seed: int, site: str, pool: str, port: int) -> 
     return node
 
 
+def environ_of(pid: int) -> bytes:
+    return Path(f"/proc/{pid}/environ").read_bytes()
+
+
 def node_id(node: Node) -> str:
     return str(json.loads((node.data_dir / "identity.json").read_text())["node_id"])
 
@@ -110,8 +114,7 @@ async def test_join_through_one_gateway_renew_through_the_other_revoke_on_either
         gw1, gw2 = f.gateways
         # the gateways hold no secret and no PKI
         for gw in f.gateways:
-            environ = Path(f"/proc/{gw.proc.pid}/environ").read_bytes()
-            assert b"BETTER_COMPUTE_SECRET" not in environ
+            assert b"BETTER_COMPUTE_SECRET" not in environ_of(gw.proc.pid)
             assert not (gw.home / "pki").exists()
         site, pool = f.api.site_and_pool()
         a = joined(f, tmp_path / "a", 1, site, pool, gw1.port)
@@ -124,7 +127,8 @@ async def test_join_through_one_gateway_renew_through_the_other_revoke_on_either
         try:
             for run in runs:
                 wait_for(lambda run=run: run.sessions() >= 1, 20, "a session")
-            assert node_id(a) in gw1.log() and node_id(b) in gw2.log()
+            assert node_id(a) in gw1.log()
+            assert node_id(b) in gw2.log()
             for node in (a, b):
                 done = f.api.cli("nodes", "revoke-identity", node_id(node),
                                  "--tenant", f.api.root_tenant)  # fmt: skip
@@ -175,7 +179,8 @@ async def test_a_killed_api_replica_moves_the_relay_to_the_next(
         assert done.returncode == 0, done.stderr
         assert f"relay to {relay_url(first)}" in gw.log()
         row = f.apis[1].one("SELECT count(*) AS n FROM nodes")
-        assert row is not None and row["n"] == 2
+        assert row is not None
+        assert row["n"] == 2
 
 
 async def test_renewal_limit_and_proof_replay_hold_across_gateways_and_replicas(
