@@ -96,6 +96,7 @@ def _setup_logging() -> None:
     if not under_journald(sys.stderr):
         log_format = "%(asctime)s " + log_format
     logging.basicConfig(level=logging.INFO, format=log_format, stream=sys.stderr)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per relayed call
 
 
 async def _db_ready(store: Store, limiter: trio.CapacityLimiter) -> tuple[bool, str]:

@@ -118,6 +118,7 @@ def start_gateway(
     *,
     port: int = 0,
     extra: Sequence[str] = (),
+    env: dict[str, str] | None = None,
 ) -> Gateway:
     home.mkdir(parents=True, exist_ok=True)
     ready = home / "ready.json"
@@ -139,7 +140,7 @@ def start_gateway(
             *[arg for url in upstreams for arg in ("--api-upstream", url)],
             *extra,
         ],
-        env=cli_env(home, secret=False),
+        env={**cli_env(home, secret=False), **(env or {})},
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -198,11 +199,17 @@ class Fleet:
         return self.apis[0]
 
     def add_gateway(
-        self, name: str, upstreams: Sequence[str] | None = None, **kw: object
+        self,
+        name: str,
+        upstreams: Sequence[str] | None = None,
+        *,
+        db_url: str | None = None,
+        env: dict[str, str] | None = None,
     ) -> Gateway:
         ups = list(upstreams) if upstreams is not None else [relay_url(a) for a in self.apis]
-        gw = start_gateway(self.root / name, self.bundle, kw.pop("db_url", self.gateway_db_url),  # type: ignore[arg-type]
-                           ups, **kw)  # type: ignore[arg-type]  # fmt: skip
+        gw = start_gateway(
+            self.root / name, self.bundle, db_url or self.gateway_db_url, ups, env=env
+        )
         self.gateways.append(gw)
         return gw
 
