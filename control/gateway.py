@@ -255,9 +255,21 @@ class Gateway:
                 self.sessions.pop(session.serial, None)
             log.info("session %s closed", session_id)
 
+    async def _start_time(self, interval_s: float) -> int:
+        """The database's time now, waiting for a database that is down at start."""
+        logged = False
+        while True:
+            try:
+                return await self._run(lambda tx: tx.now_ms())
+            except StoreUnavailable:
+                if not logged:
+                    log.warning("revocation poll: the database is unavailable; waiting for it")
+                logged = True
+                await trio.sleep(interval_s)
+
     async def revocation_poller(self, *, interval_s: float = REVOCATION_POLL_S) -> None:
         """Push a RevocationNotice to every live session whose certificate was revoked."""
-        since = await self._run(lambda tx: tx.now_ms())
+        since = await self._start_time(interval_s)
         seen: dict[str, int] = {}
         store_down = False
         while True:

@@ -30,6 +30,7 @@ from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService
 from control.relay import RelayClient, RelayListener
 from control.renewal import RenewService
 from control.store import Store, open_store
+from control.store.base import migrations
 
 log = logging.getLogger("control.server")
 
@@ -290,6 +291,7 @@ def _gateway_parts(db_url: str, gateway_dir: Path, api_upstreams: Sequence[str])
             return False, "no API upstream answers"
         return True, "ready"
 
+    _check_schema(store)
     gateway = Gateway(store, relay_client.forward, limiter, ready=ready)
     ssl_ctx = pki.server_ssl_context(
         bundle.serving_chain_pem, bundle.serving_key, client_ca_pem=bundle.node_ca_pem
@@ -298,6 +300,35 @@ def _gateway_parts(db_url: str, gateway_dir: Path, api_upstreams: Sequence[str])
     parts.handlers["gateway"] = (gateway.handle, ssl_ctx)
     parts.listen_url = db_url
     return parts
+
+
+def _check_schema(store: Store) -> None:
+    """A gateway never migrates: refuse a database older than this code's schema.
+
+    A database that does not answer yet is let pass (the gateway starts unready and
+    waits for it); a newer schema is accepted, since migrations only add.
+    """
+    needed = max(version for version, _dialect, _sql in migrations())
+    try:
+        with store.tx() as tx:
+            row = tx.one("SELECT max(version) AS v FROM schema_migrations")
+    except StoreUnavailable:
+        log.warning("the database does not answer yet; starting unready")
+        return
+    except Exception as exc:  # no table, no grant: the role or the migration is missing
+        raise ControlError(
+            "INVALID_CONFIG",
+            "the gateway's database login cannot read schema_migrations: run better-compute "
+            "migrate with the API's login, and make this login a member of "
+            "better_compute_gateway",
+        ) from exc
+    have = int(row["v"]) if row and row["v"] is not None else 0
+    if have < needed:
+        raise ControlError(
+            "INVALID_CONFIG",
+            f"the database schema is at {have}, this gateway needs {needed}: "
+            "run better-compute migrate (an API replica migrates at start)",
+        )
 
 
 async def _health(ready: Callable[[], Awaitable[tuple[bool, str]]], path: str) -> Response:

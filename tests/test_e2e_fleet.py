@@ -234,3 +234,40 @@ async def test_health_endpoints_of_every_role(tmp_path: Path, pki_template: Path
             assert answer.status_code == 503
             assert answer.json() == {"status": "unavailable", "reason": "no API upstream answers"}
             assert (await client.get(gw.url + "/healthz")).status_code == 200
+
+
+def test_a_gateway_refuses_the_secret_and_a_login_outside_its_role(
+    tmp_path: Path, pki_template: Path
+) -> None:
+    import secrets as pysecrets
+
+    import psycopg
+
+    from tests.conftest import PG_URL
+    from tests.e2e import SECRET, run
+    from tests.fleet import drop_login, pg_schema_url
+
+    with fleet(tmp_path, pki_template, apis=1, gateways=0) as f:
+        base = [
+            str(BIN / "better-compute"), "serve", "--role", "gateway", "--gateway-listen",
+            "127.0.0.1:0", "--gateway-dir", str(f.bundle), "--api-upstream", relay_url(f.api),
+        ]  # fmt: skip
+        with_secret = {**cli_env(tmp_path, secret=False), "BETTER_COMPUTE_SECRET": SECRET}
+        done = run([*base, "--db", f.gateway_db_url], env=with_secret)
+        assert done.returncode == 1
+        assert "a gateway holds no PKI key: unset BETTER_COMPUTE_SECRET" in done.stderr
+        assert SECRET not in done.stderr
+        done = run([*base], env=cli_env(tmp_path, secret=False))
+        assert done.returncode != 0
+        assert "--role gateway needs --db postgresql://" in done.stderr
+        outsider = f"out_{pysecrets.token_hex(4)}"
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            conn.execute(f"CREATE ROLE {outsider} LOGIN")
+        url = pg_schema_url(f.schema, outsider)
+        try:
+            done = run([*base, "--db", url], env=cli_env(tmp_path, secret=False))
+            assert done.returncode == 1
+            assert "cannot read schema_migrations" in done.stderr
+            assert "Traceback" not in done.stderr
+        finally:
+            drop_login(url)
