@@ -65,6 +65,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/join.py
 	$(BIN)/python bench/renew.py
 	$(BIN)/python bench/tpm.py
+	$(BIN)/python bench/replicas.py
 
 clean:
 	rm -rf $(VENV) .quickstart .pytest_cache .mypy_cache .ruff_cache
