@@ -48,6 +48,8 @@ from control.store import Store, Tx
 log = logging.getLogger("control.gateway")
 
 PING_INTERVAL_S = 15.0
+# A node holds one session; two overlap while it moves to a renewed certificate.
+MAX_SESSIONS_PER_NODE = 2
 REVOCATION_POLL_S = 1.0
 T = TypeVar("T")
 _DRAIN: dict[str, Any] = {"type": "drain"}  # never sent: ends the stream
@@ -62,6 +64,7 @@ class _Session:
     ends_in_s: float
     """The certificate's remaining life: the session closes when it ends, and the
     node opens the next one with its renewed certificate."""
+    replaced: bool = False
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -161,12 +164,28 @@ class Gateway:
     ready: Callable[[], Awaitable[tuple[bool, str]]] | None = None
     ping_interval_s: float = PING_INTERVAL_S
     sessions: dict[str, list[_Session]] = field(default_factory=dict)
+    by_node: dict[str, list[_Session]] = field(default_factory=dict)
     _poked: trio.Event = field(default_factory=trio.Event)
     draining: bool = False
 
     def poke(self) -> None:
         """Look for revocations now (one was made through this process, or notified)."""
         self._poked.set()
+
+    def _replace_older(self, new: _Session) -> None:
+        """A new session replaces the older ones: every one of the same certificate, and
+        the oldest of its node's beyond MAX_SESSIONS_PER_NODE - 1 (docs/decisions.md)."""
+        older = list(self.sessions.get(new.serial, []))
+        of_node = [s for s in self.by_node.get(new.node_id, []) if s not in older]
+        older += of_node[: max(0, len(of_node) - (MAX_SESSIONS_PER_NODE - 1))]
+        for session in older:
+            if session.replaced:
+                continue
+            session.replaced = True
+            log.info("a session of %s is replaced by a newer one", session.node_id)
+            with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError,
+                                     trio.ClosedResourceError):  # fmt: skip
+                session.send.send_nowait(_DRAIN)
 
     def drain(self) -> None:
         """End every session with a clean end of stream; refuse new ones."""
@@ -212,7 +231,9 @@ class Gateway:
         remaining_ms = await self._run(functools.partial(renewal.remaining_ms, serial=serial))
         send, receive = trio.open_memory_channel[dict[str, Any]](8)
         session = _Session(node_id, serial, send, max(0.0, remaining_ms / 1000))
+        self._replace_older(session)
         self.sessions.setdefault(serial, []).append(session)
+        self.by_node.setdefault(node_id, []).append(session)
         session_id = "sess_" + secrets.token_hex(8)
         log.info(
             "session %s open for %s (journal %s, daemon %s)",
@@ -236,7 +257,7 @@ class Gateway:
         deadline = trio.current_time() + session.ends_in_s
         try:
             yield _line({"type": "welcome", "session_id": session_id})
-            while trio.current_time() < deadline and not self.draining:
+            while trio.current_time() < deadline and not self.draining and not session.replaced:
                 with trio.move_on_at(min(deadline, trio.current_time() + self.ping_interval_s)):
                     notice = await receive.receive()
                     if notice is _DRAIN:
@@ -248,11 +269,12 @@ class Gateway:
                 if trio.current_time() < deadline and not self.draining:
                     yield _line({"type": "ping"})
         finally:
-            peers = self.sessions.get(session.serial, [])
-            if session in peers:
-                peers.remove(session)
-            if not peers:
-                self.sessions.pop(session.serial, None)
+            for index, key in ((self.sessions, session.serial), (self.by_node, session.node_id)):
+                peers = index.get(key, [])
+                if session in peers:
+                    peers.remove(session)
+                if not peers:
+                    index.pop(key, None)
             log.info("session %s closed", session_id)
 
     async def _start_time(self, interval_s: float) -> int:

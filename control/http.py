@@ -25,7 +25,8 @@ from bcd.wire import STATUS, dumps
 
 logger = logging.getLogger("control.http")
 
-HANDSHAKE_TIMEOUT = 10.0
+HANDSHAKE_TIMEOUT = 5.0
+FIRST_REQUEST_TIMEOUT = 10.0  # a new connection's first request head must arrive by then
 IDLE_TIMEOUT = 60.0  # keep-alive: wait this long for the next request
 REQUEST_TIMEOUT = 30.0  # from a request's first byte to its last
 WRITE_TIMEOUT = 30.0  # a client that stops reading is dropped after this
@@ -57,6 +58,55 @@ class Response:
 
 Handler = Callable[[Request], Awaitable[Response]]
 _JSON = ("content-type", "application/json")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one listener admits (docs/decisions.md, "Connection limits").
+
+    ``max_connections``: open connections at once; ``max_per_source``: of those,
+    from one IP address. A connection over either is closed at accept, before any
+    TLS work, and one warning a minute says how many were.
+    """
+
+    max_connections: int = 1_024
+    max_per_source: int = 128
+    idle_timeout: float = IDLE_TIMEOUT
+
+
+@dataclass
+class _Gate:
+    limits: Limits
+    total: int = 0
+    by_source: dict[str, int] = field(default_factory=dict)
+    refused: int = 0
+    warned_at: float = -1e9
+
+    def admit(self, source: str) -> bool:
+        here = self.by_source.get(source, 0)
+        if self.total >= self.limits.max_connections or here >= self.limits.max_per_source:
+            self.refused += 1
+            now = trio.current_time()
+            if now - self.warned_at >= 60:
+                logger.warning(
+                    "connection limit: refused %d connections (at most %d, %d per source)",
+                    self.refused,
+                    self.limits.max_connections,
+                    self.limits.max_per_source,
+                )
+                self.warned_at, self.refused = now, 0
+            return False
+        self.total += 1
+        self.by_source[source] = here + 1
+        return True
+
+    def release(self, source: str) -> None:
+        self.total -= 1
+        left = self.by_source.get(source, 1) - 1
+        if left:
+            self.by_source[source] = left
+        else:
+            self.by_source.pop(source, None)
 
 
 @dataclass
@@ -124,6 +174,7 @@ async def serve(
     ssl_context: ssl.SSLContext | None = None,
     max_body: int = 64 * 1024,
     life: Lifecycle | None = None,
+    limits: Limits | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on host:port (0: any free port) until cancelled or drained.
@@ -139,14 +190,16 @@ async def serve(
             await extra.aclose()
         listeners = listeners[:1]
     actual: int = listeners[0].socket.getsockname()[1]
-    connection = partial(_connection, handler, ssl_context, max_body, life)
+    limits = limits or Limits()
+    gate = _Gate(limits)
+    connection = partial(_connection, handler, ssl_context, max_body, life, limits.idle_timeout)
     async with trio.open_nursery() as connections:
         with trio.CancelScope() as accepting:
             life.accepting.append(accepting)
             task_status.started(actual)
             async with trio.open_nursery() as acceptors:
                 for listener in listeners:
-                    acceptors.start_soon(_accept, listener, connection, connections)
+                    acceptors.start_soon(_accept, listener, connection, connections, gate)
         for listener in listeners:
             with contextlib.suppress(OSError):
                 await listener.aclose()
@@ -154,8 +207,9 @@ async def serve(
 
 async def _accept(
     listener: trio.SocketListener,
-    connection: Callable[[trio.SocketStream], Awaitable[None]],
+    connection: Callable[[trio.SocketStream, str], Awaitable[None]],
     nursery: trio.Nursery,
+    gate: _Gate,
 ) -> None:
     while True:
         try:
@@ -164,7 +218,25 @@ async def _accept(
             logger.warning("accept failed (%s); retrying in 100 ms", exc.strerror)
             await trio.sleep(0.1)
             continue
-        nursery.start_soon(connection, tcp)
+        remote = _remote(tcp)
+        source = remote.rpartition(":")[0]
+        if not gate.admit(source):
+            tcp.socket.close()  # no TLS, no answer: the cheapest refusal there is
+            continue
+        nursery.start_soon(_gated, connection, tcp, remote, gate, source)
+
+
+async def _gated(
+    connection: Callable[[trio.SocketStream, str], Awaitable[None]],
+    tcp: trio.SocketStream,
+    remote: str,
+    gate: _Gate,
+    source: str,
+) -> None:
+    try:
+        await connection(tcp, remote)
+    finally:
+        gate.release(source)
 
 
 def _remote(tcp: trio.SocketStream) -> str:
@@ -181,9 +253,10 @@ async def _connection(
     ssl_context: ssl.SSLContext | None,
     max_body: int,
     life: Lifecycle,
+    idle_timeout: float,
     tcp: trio.SocketStream,
+    remote: str,
 ) -> None:
-    remote = _remote(tcp)
     stream: trio.abc.Stream = tcp
     try:
         peer_der: bytes | None = None
@@ -197,7 +270,7 @@ async def _connection(
                 logger.debug("TLS handshake from %s failed: %r", remote, exc)
                 return
             peer_der = tls.getpeercert(binary_form=True)
-        await _serve_http(stream, handler, max_body, peer_der, remote, life)
+        await _serve_http(stream, handler, max_body, peer_der, remote, life, idle_timeout)
     except _GONE:
         pass  # the client went away or was too slow
     except Exception:
@@ -219,10 +292,13 @@ async def _serve_http(
     peer_der: bytes | None,
     remote: str,
     life: Lifecycle,
+    idle_timeout: float,
 ) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
+    wait = FIRST_REQUEST_TIMEOUT  # a new connection: its first request comes soon or never
     while not life.draining.is_set():
-        with trio.CancelScope(deadline=trio.current_time() + IDLE_TIMEOUT) as scope:
+        got: Request | Response | None = None
+        with trio.CancelScope(deadline=trio.current_time() + wait) as scope:
             life.waiting.add(scope)
             try:
                 got = await _read_request(stream, conn, scope, max_body, peer_der, remote)
@@ -249,6 +325,7 @@ async def _serve_http(
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
             return
         conn.start_next_cycle()
+        wait = idle_timeout
 
 
 async def _read_request(
@@ -279,9 +356,21 @@ async def _read_request(
         if not isinstance(head, h11.Request):
             return None  # ConnectionClosed
         headers: dict[str, str] = {}
+        head_size = len(head.method) + len(head.target) + 12
         for raw_name, raw_value in head.headers:
+            head_size += len(raw_name) + len(raw_value) + 4
             name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
             headers[name] = f"{headers[name]}, {value}" if name in headers else value
+        if head_size > _MAX_HEAD:  # h11 bounds only a head still arriving, not one whole
+            return error_response(
+                "INVALID_ARGUMENT", "request head too large", [("connection", "close")], status=431
+            )
+        if "content-length" in headers and "transfer-encoding" in headers:
+            return error_response(
+                "INVALID_ARGUMENT",
+                "Content-Length and Transfer-Encoding together",
+                [("connection", "close")],
+            )
         if int(headers.get("content-length", "0").split(",")[0]) > max_body:
             return too_large
         if conn.they_are_waiting_for_100_continue:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import resource
 import signal
 import ssl
 import sys
@@ -25,7 +26,7 @@ from control import gatewaypki, pki, relay, revocations
 from control.api import App
 from control.errors import ControlError, StoreUnavailable
 from control.gateway import Gateway, NodeCalls
-from control.http import Handler, Lifecycle, Response, health_response, serve
+from control.http import Handler, Lifecycle, Limits, Response, health_response, serve
 from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService
 from control.relay import RelayClient, RelayListener
 from control.renewal import RenewService
@@ -89,6 +90,25 @@ def _split(listen: str) -> tuple[str, int]:
 
 ROLES = ("all", "api", "gateway")
 DRAIN_S = 30.0
+# Per listener (docs/decisions.md, "Connection limits"): the gateway holds a session
+# per node; the relay takes a few gateways' pools; the tenant API, operators' calls.
+LIMITS = {
+    "gateway": Limits(max_connections=16_000, max_per_source=1_024, idle_timeout=30.0),
+    "relay": Limits(max_connections=2_048, max_per_source=256),
+    "api": Limits(max_connections=1_024, max_per_source=128),
+}
+
+
+def raise_file_limit() -> int:
+    """Raise this process's open-file limit to its hard limit; return the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):
+            return soft
+        return hard
+    return soft
 
 
 def _setup_logging() -> None:
@@ -138,6 +158,9 @@ def main(
 ) -> int:
     """``better-compute serve``: ``role`` all (one process, the default), api or gateway."""
     _setup_logging()
+    files = raise_file_limit()
+    if files < sum(lim.max_connections for lim in LIMITS.values()) + 256:
+        log.warning("open-file limit %d is below the connection limits' sum", files)
     if role not in ROLES:
         raise ControlError("INVALID_ARGUMENT", f"--role must be one of {', '.join(ROLES)}")
     if role == "gateway":
@@ -185,6 +208,7 @@ class _Parts:
     store: Store
     limiter: trio.CapacityLimiter
     handlers: dict[str, tuple[Handler, ssl.SSLContext | None]] = field(default_factory=dict)
+    limits: dict[str, Limits] = field(default_factory=lambda: dict(LIMITS))
     gateway: Gateway | None = None
     relay_client: RelayClient | None = None
     listen_url: str | None = None  # PostgreSQL LISTEN for revocations
@@ -219,7 +243,7 @@ def _api_parts(
     discovery_problem = check_discovery_settings(settings)
     if discovery_problem is not None:
         raise ControlError("INVALID_CONFIG", discovery_problem)
-    store = open_store(db_url)
+    store = open_store(db_url, max_size=12)
     store.migrate()
     plugins = load_plugins()
     for failure in plugins.failures:
@@ -231,7 +255,9 @@ def _api_parts(
             "serverName": gateway_san,
             "servingCaPin": loaded.pins()["serving_ca_spki_pin"],
         }
-    limiter = trio.CapacityLimiter(8)
+    # the tenant API has threads (and connections) of its own, so a flood of node calls
+    # cannot keep an operator from revoking a node, nor the other way round
+    limiter, api_limiter = trio.CapacityLimiter(8), trio.CapacityLimiter(4)
     calls = NodeCalls(store, JoinService(store, crypto, plugins, settings),
                       RenewService(store, crypto), limiter)  # fmt: skip
     parts = _Parts(role, store, limiter)
@@ -259,7 +285,7 @@ def _api_parts(
         store=store,
         well_known_join=dict(loaded.well_known_join()),
         gateway=gateway_doc,
-        limiter=limiter,
+        limiter=api_limiter,
         on_revocation=on_revocation,
         downloads=downloads.absolute() if downloads is not None else None,
         ready=ready,
@@ -348,7 +374,15 @@ async def _run(
             for name, (handler, ctx) in parts.handlers.items():
                 host, port = _split(listens[name])
                 bound[name] = await servers.start(
-                    functools.partial(serve, handler, host, port, ssl_context=ctx, life=life)
+                    functools.partial(
+                        serve,
+                        handler,
+                        host,
+                        port,
+                        ssl_context=ctx,
+                        life=life,
+                        limits=parts.limits[name],
+                    )
                 )
             if parts.gateway is not None:
                 nursery.start_soon(parts.gateway.revocation_poller)

@@ -101,7 +101,9 @@ def split_sql(script: str) -> list[str]:
     return [s.strip() for s in "\n".join(lines).split(";") if s.strip()]
 
 
-def open_store(url: str, *, read_only: bool = False, timeout: float = 30.0) -> Store:
+def open_store(
+    url: str, *, read_only: bool = False, timeout: float = 30.0, max_size: int = 8
+) -> Store:
     """``sqlite:///path/to/file.db`` or ``postgresql://…``.
 
     ``read_only`` (PostgreSQL only: the gateway role) makes every transaction read
@@ -117,5 +119,5 @@ def open_store(url: str, *, read_only: bool = False, timeout: float = 30.0) -> S
     if url.startswith(("postgresql://", "postgres://")):
         from control.store.postgres import PostgresStore
 
-        return PostgresStore(url, read_only=read_only, timeout=timeout, max_size=8)
+        return PostgresStore(url, read_only=read_only, timeout=timeout, max_size=max_size)
     raise ValueError("the database URL must start with sqlite:/// or postgresql://")
