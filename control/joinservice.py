@@ -345,8 +345,13 @@ class JoinService:
             seal_error=seal_error,
         )
 
+    def _label(self, attempt: _Attempt) -> str:
+        """The attestor as events name it: a loaded plugin's name, else ``unknown``, so
+        inventing names neither multiplies the refusal budget nor writes their text."""
+        return attempt.attestor if attempt.attestor in self.plugins.names() else UNKNOWN_ATTESTOR
+
     def _refuse(self, attempt: _Attempt, reason: str, tenant_id: str | None = None) -> Refused:
-        return Refused(JOIN_REFUSED, f"{attempt.attestor}:{reason}", tenant_id)
+        return Refused(JOIN_REFUSED, f"{self._label(attempt)}:{reason}", tenant_id)
 
     def _admit(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto) -> str:
         request = attempt.request
@@ -656,9 +661,9 @@ class JoinService:
             self.store,
             refusal,
             "security.join.refused",
-            f"join|{attempt.attestor}|{refusal.reason}",
+            f"join|{refusal.reason}",
             {
-                "attestor": attempt.attestor,
+                "attestor": self._label(attempt),
                 "reason": refusal.reason,
                 "role": attempt.request.role,
                 "csrSha256": attempt.csr_sha256,
@@ -784,6 +789,9 @@ def signed_identity(
         "identity_generation": generation,
     }
     return wire.sign_response(body, crypto.signing_key)
+
+
+UNKNOWN_ATTESTOR = "unknown"
 
 
 def record_refusal(

@@ -826,7 +826,7 @@ def test_refusal_events_are_rate_limited_to_60_a_minute_with_suppressed_count(
 
     world.sql(
         "UPDATE refusal_windows SET window_start = window_start - 61000 WHERE rate_key = ?",
-        (f"{world.root}|join|join-token|join-token:seal-invalid",),
+        (f"{world.root}|join|join-token:seal-invalid",),
     )
 
     def suppressed_counts() -> list[int]:
@@ -925,3 +925,19 @@ def test_no_second_answer_once_the_certificate_is_revoked_or_old(world: World) -
     world.refused(attempt, "token-used-up", routed_to=TENANT)
     world.sql("UPDATE node_certs SET created_at = created_at + 600001, revoked_at = 1")
     world.refused(attempt, "token-used-up", routed_to=TENANT)
+
+
+def test_invented_attestor_names_share_one_refusal_budget_and_are_never_written(
+    world: World,
+) -> None:
+    base = json.loads(world.body(None, machine(61), sealed="a.b.c.d.e").body)
+    for i in range(80):
+        with pytest.raises(Refused) as refused:
+            world.svc.join(wire.dumps({**base, "attestor": f"made-up-{i}"}))
+        assert refused.value.reason == "unknown:seal-invalid"
+    got = world.events(world.root, "security.join.refused")
+    assert len(got) == 60
+    assert {e["payload"]["attestor"] for e in got} == {"unknown"}
+    assert not any("made-up" in json.dumps(e) for e in got)
+    rows = world.rows("SELECT rate_key FROM refusal_windows")
+    assert [r["rate_key"] for r in rows] == [f"{world.root}|join|unknown:seal-invalid"]
