@@ -230,11 +230,10 @@ class App:
         self, tenant: str, body: dict[str, Any], q: dict[str, str]
     ) -> Response:
         type_ = q.get("type") or None
-        try:
-            since = int(q["since"]) if q.get("since") else None
-            limit = min(int(q.get("limit", "100")), 1000)
-        except ValueError:
-            raise invalid("since and limit must be numbers") from None
+        if type_ is not None and not re.fullmatch(r"[a-z][a-z0-9.-]{0,99}", type_):
+            raise invalid("type must be an event type such as security.join.refused")
+        since = _bounded_int(q, "since", 0, MAX_MS, None)
+        limit = _bounded_int(q, "limit", 1, 1000, 100) or 100
         items = await self.run(lambda tx: events.list_events(tx, tenant, type_, since, limit))
         return json_response(200, {"items": items})
 
@@ -335,6 +334,21 @@ def _json_body(req: Request) -> dict[str, Any]:
         return wire.loads_object(req.body)
     except wire.WireError as exc:
         raise invalid(str(exc)) from exc
+
+
+MAX_MS = 253_402_300_799_999  # 9999-12-31T23:59:59.999Z, within BIGINT on both stores
+
+
+def _bounded_int(
+    q: dict[str, str], name: str, low: int, high: int, default: int | None
+) -> int | None:
+    """A query parameter of ASCII digits within [low, high]; absent: ``default``."""
+    text = q.get(name)
+    if text is None or text == "":
+        return default
+    if not (text.isascii() and text.isdigit()) or len(text) > 15 or not low <= int(text) <= high:
+        raise invalid(f"{name} must be a whole number from {low} to {high}")
+    return int(text)
 
 
 def _error(exc: ControlError) -> Response:
