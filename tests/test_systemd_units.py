@@ -1,6 +1,6 @@
 """The systemd units: they pass `systemd-analyze verify` (with ExecStart pointed at this
-bcd), carry the sandboxing a reviewer expects, and bcd speaks to systemd (readiness
-through NOTIFY_SOCKET, log priorities under journald)."""
+bcd and better-compute), carry the sandboxing a reviewer expects, and bcd speaks to
+systemd (readiness through NOTIFY_SOCKET, log priorities under journald)."""
 
 from __future__ import annotations
 
@@ -23,8 +23,13 @@ UNITS = Path(__file__).parents[1] / "systemd"
 def test_unit_verifies(unit: str, tmp_path: Path) -> None:
     if shutil.which("systemd-analyze") is None:
         pytest.fail("systemd-analyze is missing (Debian package systemd)")
-    bcd = Path(sys.executable).parent / "bcd"
-    text = (UNITS / unit).read_text().replace("/usr/local/bin/bcd", str(bcd))
+    bin_dir = Path(sys.executable).parent
+    text = (
+        (UNITS / unit)
+        .read_text()
+        .replace("/usr/local/bin/better-compute", str(bin_dir / "better-compute"))
+        .replace("/usr/local/bin/bcd", str(bin_dir / "bcd"))
+    )
     (tmp_path / unit).write_text(text)
     done = subprocess.run(
         ["systemd-analyze", "verify", str(tmp_path / unit)],
@@ -104,6 +109,76 @@ def test_only_the_helper_reaches_the_tpm_and_only_the_node_is_unprivileged() -> 
         "-/etc/bcd",
     }
     assert node["RestartPreventExitStatus"] == ["1"]
+
+
+CONTROL_UNITS = ("better-compute-api.service", "better-compute-gateway.service")
+
+
+@pytest.mark.parametrize("unit", CONTROL_UNITS)
+def test_every_control_plane_unit_is_sandboxed(unit: str) -> None:
+    d = _directives(unit)
+    for key, value in (
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("PrivateDevices", "yes"),
+        ("ProtectKernelModules", "yes"),
+        ("ProtectKernelTunables", "yes"),
+        ("ProtectControlGroups", "yes"),
+        ("RestrictSUIDSGID", "yes"),
+        ("RestrictNamespaces", "yes"),
+        ("LockPersonality", "yes"),
+        ("MemoryDenyWriteExecute", "yes"),
+        ("SystemCallArchitectures", "native"),
+        ("UMask", "0077"),
+        ("User", "better-compute"),
+        ("Group", "better-compute"),
+    ):
+        assert d.get(key) == [value], (unit, key)
+    assert d["SystemCallFilter"] == ["@system-service", "~@privileged"]
+    assert "DeviceAllow" not in d
+    role = unit.removeprefix("better-compute-").removesuffix(".service")
+    assert d["ExecStart"][0].startswith(f"/usr/local/bin/better-compute serve --role {role} ")
+
+
+def _seconds(value: str) -> float:
+    """A systemd time span of the forms these units use: 45s, 5min, 90."""
+    for suffix, factor in (("min", 60), ("s", 1)):
+        if value.endswith(suffix):
+            return float(value.removesuffix(suffix)) * factor
+    return float(value)
+
+
+def test_control_plane_units_notify_drain_and_keep_the_secret_off_the_gateway() -> None:
+    api, gateway = (_directives(u) for u in CONTROL_UNITS)
+    for d in (api, gateway):
+        # serve sends READY=1 once listening and STOPPING=1 at SIGTERM (control/server.py)
+        assert d["Type"] == ["notify"]
+        assert d["NotifyAccess"] == ["main"]
+        # SIGTERM drains for --drain-seconds (30 by default): systemd must wait longer
+        args = d["ExecStart"][0].split()
+        drain = float(args[args.index("--drain-seconds") + 1]) if "--drain-seconds" in args else 30
+        assert _seconds(d["TimeoutStopSec"][0]) > drain
+    # the API replica holds the PKI: its secret comes from a root-only file, not the unit
+    assert api["EnvironmentFile"] == ["/etc/better-compute/api.env"]
+    assert (api["StateDirectory"], api["StateDirectoryMode"]) == (["better-compute"], ["0700"])
+    assert api["CapabilityBoundingSet"] == [""]
+    # the gateway holds no PKI key: nothing in its unit may carry the secret
+    text = (UNITS / "better-compute-gateway.service").read_text()
+    for key in ("EnvironmentFile", "LoadCredential", "LoadCredentialEncrypted", "SetCredential",
+                "SetCredentialEncrypted", "PassEnvironment"):  # fmt: skip
+        assert key not in gateway, key
+    assert all("BETTER_COMPUTE_SECRET" not in v for v in gateway.get("Environment", []))
+    assert "BETTER_COMPUTE_SECRET=" not in text
+    assert "--gateway-dir /etc/better-compute/gateway" in gateway["ExecStart"][0]
+    assert (
+        gateway["CapabilityBoundingSet"]
+        == gateway["AmbientCapabilities"]
+        == ["CAP_NET_BIND_SERVICE"]
+    )
+    assert "StateDirectory" not in gateway  # it writes nothing
+    assert "ReadWritePaths" not in gateway
 
 
 def test_tmpfiles_makes_the_directories_with_their_owners() -> None:
