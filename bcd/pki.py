@@ -212,6 +212,12 @@ def renew_pop_message(csr_der: bytes, node_id: str, client_time_ms: int) -> byte
     return f"bc-renew-pop-v1\n{sha256_hex(csr_der)}\n{node_id}\n{client_time_ms}".encode()
 
 
+def vouch_pop_message(fields: bytes, node_id: str, client_time_ms: int) -> bytes:
+    """What a site agent signs with its node key for a vouch: ``fields`` is the vouch's
+    body without ``client_time`` and ``pop_sig``, as ``bcd.wire.dumps`` writes it."""
+    return f"bc-vouch-pop-v1\n{sha256_hex(fields)}\n{node_id}\n{client_time_ms}".encode()
+
+
 # --- certificates -----------------------------------------------------------------
 
 

@@ -9,27 +9,44 @@ to the serving CA like every gateway call. The machine can then join with ``bcd 
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
 import trio
 
-from bcd import wire
+from bcd import pki, wire
 from bcd.config import Config
 from bcd.errors import BcdError, CertificateRevoked, JoinError, RetryableError
+from bcd.identity import LoadedState
 from bcd.node import helper_keys, load_identity
+from bcd.rejoin import sign_digest_p1363
 from bcd.session import post_as_node
 
 VOUCH_PATH = "/v1/discovery/vouch"
 
 
-def vouch_body(mac: str, boot_lease_epoch: int, ip: str | None, workflow_id: str | None) -> bytes:
+def vouch_fields(
+    mac: str, boot_lease_epoch: int, ip: str | None, workflow_id: str | None
+) -> dict[str, Any]:
     body: dict[str, Any] = {"mac": mac, "boot_lease_epoch": boot_lease_epoch}
     if ip:
         body["ip"] = ip
     if workflow_id:
         body["workflow_id"] = workflow_id
-    return wire.dumps(body)
+    return body
+
+
+def signed_vouch_body(
+    fields: dict[str, Any], node_id: str, client_time_ms: int, sign: Callable[[bytes], bytes]
+) -> bytes:
+    """The vouch with its proof of possession: ``sign`` is a P1363 signer of a SHA-256
+    digest by the site agent's current key (a file key, or the TPM through the helper),
+    so a gateway that relays it cannot make one up (docs/decisions.md)."""
+    message = pki.vouch_pop_message(wire.dumps(fields), node_id, client_time_ms)
+    pop = sign(hashlib.sha256(message).digest())
+    return wire.dumps({**fields, "client_time": client_time_ms, "pop_sig": pki.b64url(pop)})
 
 
 def vouch_answer(status: int, body: bytes, pushback_ms: str = "") -> dict[str, Any]:
@@ -61,6 +78,17 @@ async def vouch(
             f"this node is a {state.identity.role}, not a site agent: only a node joined with "
             "bcd join --role site may vouch for machines"
         )
-    body = vouch_body(mac, boot_lease_epoch, ip, workflow_id)
+    if isinstance(state, LoadedState):
+        key = state.key
+        sign: Callable[[bytes], bytes] = lambda digest: sign_digest_p1363(key, digest)  # noqa: E731
+    elif tpm is not None:
+        sign = tpm.signer(state.record)
+    else:  # pragma: no cover - load_identity gives a TPM-held state only with a helper
+        raise BcdError("this site agent's key is in the TPM and no [helper] is configured")
+    fields = vouch_fields(mac, boot_lease_epoch, ip, workflow_id)
+    now_ms = int(datetime.now(UTC).timestamp() * 1000)
+    body = await trio.to_thread.run_sync(
+        signed_vouch_body, fields, state.identity.node_id, now_ms, sign
+    )
     resp = await post_as_node(cfg, state, tpm, VOUCH_PATH, body)
     return vouch_answer(resp.status, resp.body, resp.headers.get("retry-pushback-ms", "").strip())

@@ -188,9 +188,35 @@ def cmd_daemon_install_script(args: argparse.Namespace) -> int:
 # --- serve and bootstrap ----------------------------------------------------------------
 
 
+_ROLE_FLAGS = {
+    "api": ("relay_listen", "relay_san"),
+    "gateway": ("gateway_dir", "api_upstream"),
+    "api/all": (
+        "downloads", "tpm_ek_ca", "tpm_ek_allow", "tpm_pool", "x509pop_ca", "discovery_pool",
+        "attestor_setting", "gateway_url",
+    ),
+}  # fmt: skip
+
+
+def _check_role_flags(args: argparse.Namespace) -> None:
+    """A flag of another role is a usage error, never silently ignored."""
+    for roles, flags in _ROLE_FLAGS.items():
+        if args.role in roles.split("/"):
+            continue
+        for flag in flags:
+            if getattr(args, flag, None):
+                name = "--" + flag.replace("_", "-")
+                print(
+                    f"better-compute: usage: {name} is for --role {roles.replace('/', ' or ')}",
+                    file=sys.stderr,
+                )
+                raise SystemExit(2)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from control import server
 
+    _check_role_flags(args)
     if args.role == "gateway":
         if os.environ.get("BETTER_COMPUTE_SECRET"):
             raise ControlError(
@@ -387,8 +413,8 @@ def cmd_tokens_create(args: argparse.Namespace) -> int:
             raise ControlError(
                 "INVALID_STATE",
                 f"--key {args.key} was used before and its answer carries no token; revoke that "
-                f"token (better-compute join-tokens revoke {rec['id']} --tenant {args.tenant} "
-                f"--pool {args.pool}) and create a new one",
+                f"token and create a new one (better-compute join-tokens revoke {rec['id']} "
+                f"--tenant {args.tenant} --pool {args.pool})",
             )
         try:
             fs.create_new(out, (token + "\n").encode("ascii"), 0o600)

@@ -20,11 +20,15 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from bcd import hardware
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
+
+from bcd import hardware, pki, wire
 from bcd.plugins import VouchRecord
 from control import events
 from control.errors import ControlError, invalid
 from control.ids import iso, new_id
+from control.proofs import CLOCK_SKEW_MS, proof_sha256, spend_proof
 from control.store import Row, Tx
 
 VOUCH_PATH = "/v1/discovery/vouch"
@@ -106,17 +110,64 @@ def consume_vouch(tx: Tx, vouch_id: str) -> None:
         raise ControlError("CONFLICT", "this vouch was used concurrently; retry")
 
 
-def record_vouch(tx: Tx, site_agent_id: str, vouch: Vouch) -> dict[str, Any]:
+@dataclass(frozen=True)
+class VouchProof:
+    """A vouch's proof of possession, checked against the site agent's certificate."""
+
+    fields: dict[str, Any]
+    client_time_ms: int
+    proof_sha256: str
+    valid: bool
+
+
+def parse_vouch_proof(obj: dict[str, Any], node_id: str, peer_der: bytes | None) -> VouchProof:
+    """Split ``client_time`` and ``pop_sig`` off a vouch body and check the signature
+    (pure CPU, before any transaction); the clock and replay are judged in it."""
+    fields = {k: v for k, v in obj.items() if k not in ("client_time", "pop_sig")}
+    client_time = obj.get("client_time")
+    pop = obj.get("pop_sig")
+    if not isinstance(client_time, int) or isinstance(client_time, bool) or client_time < 0:
+        raise invalid("client_time must be unix milliseconds (bcd vouch sends it)")
+    if not isinstance(pop, str) or len(pop) > 128:
+        raise invalid("pop_sig must be the site agent's signature (bcd vouch sends it)")
+    try:
+        sig = pki.b64url_decode(pop)
+        cert = x509.load_der_x509_certificate(peer_der or b"")
+        key = cert.public_key()
+        if not isinstance(key, ec.EllipticCurvePublicKey):
+            raise pki.PkiError("not an EC key")
+        message = pki.vouch_pop_message(wire.dumps(fields), node_id, client_time)
+        pki.verify_p1363(key, sig, message)
+        valid = True
+    except (pki.PkiError, ValueError):
+        valid, sig = False, pop.encode()
+    return VouchProof(fields, client_time, proof_sha256(sig), valid)
+
+
+def record_vouch(
+    tx: Tx, site_agent_id: str, vouch: Vouch, proof: VouchProof | None = None
+) -> dict[str, Any]:
     """Store ``vouch`` from the site agent ``site_agent_id`` (a live certificate's node).
 
     Only a node of role ``site`` that is not retired may vouch, and only for its own
-    site. Returns the stored vouch as the gateway answers it.
+    site, with a fresh proof of possession of its key (``proof``: within 60 s of
+    ``compute_now()``, not accepted in the last 120 s, and valid). Returns the stored
+    vouch as the gateway answers it.
     """
     agent = tx.one("SELECT * FROM nodes WHERE id = ?", (site_agent_id,))
     if agent is None or agent["role"] != SITE_ROLE or agent["retired_at"] is not None:
         raise ControlError("ACCESS_DENIED", "only a site agent may vouch for machines")
     site_id = str(agent["site_id"])
     now_ms = tx.now_ms()
+    if proof is not None:
+        if abs(proof.client_time_ms - now_ms) > CLOCK_SKEW_MS:
+            raise ControlError(
+                "ACCESS_DENIED", "the vouch's client_time is more than 60 s off; check the clock"
+            )
+        if not proof.valid:
+            raise ControlError("ACCESS_DENIED", "the vouch's proof of possession does not verify")
+        if not spend_proof(tx, proof.proof_sha256, site_agent_id, now_ms):
+            raise ControlError("ACCESS_DENIED", "this vouch was already accepted (a replay)")
     expires = now_ms + VOUCH_TTL_MS
     tx.execute(
         "DELETE FROM discovery_vouch_calls WHERE vouched_by = ? AND at <= ?",

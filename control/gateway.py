@@ -127,13 +127,20 @@ class NodeCalls:
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
 
     async def _vouch(self, req: Request) -> Response:
-        """A site agent vouches for a machine that booted on its site (discovery)."""
+        """A site agent vouches for a machine that booted on its site (discovery).
+
+        The vouch carries the site agent's proof of possession (``client_time``,
+        ``pop_sig``): a relaying gateway sees the certificate, never the key, so the
+        certificate alone does not vouch (docs/decisions.md).
+        """
         node_id, _serial = await live_peer(self.store, self.limiter, req)
         try:
-            vouch = discovery.parse_vouch(wire.loads_object(req.body))
+            obj = wire.loads_object(req.body)
+            proof = discovery.parse_vouch_proof(obj, node_id, req.peer_cert_der)
+            vouch = discovery.parse_vouch(proof.fields)
         except wire.WireError as exc:
             raise ControlError("INVALID_ARGUMENT", f"malformed vouch: {exc}") from exc
-        answer = await self._run(lambda tx: discovery.record_vouch(tx, node_id, vouch))
+        answer = await self._run(lambda tx: discovery.record_vouch(tx, node_id, vouch, proof))
         return Response(200, wire.dumps(answer), [("content-type", "application/json")])
 
 

@@ -704,6 +704,7 @@ def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> list
         "SELECT serial FROM node_certs WHERE node_id = ? AND revoked_at IS NULL ORDER BY serial",
         (node_id,),
     )
+    tx.revoked = tx.revoked or bool(rows)
     for row in rows:
         tx.execute(
             "UPDATE node_certs SET revoked_at = ?, revoke_reason = ? WHERE serial = ?",

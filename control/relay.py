@@ -17,8 +17,8 @@ token sealed to a key the gateway does not hold, bound to the CSR it was sealed
 with; a renewal still needs the node key's proof of possession.
 
 Several upstreams are tried in turn (``--api-upstream``, repeatable), starting with
-the last one that answered: a connection or TLS failure, a reset or a timeout moves
-the call to the next. A call is retried on another replica even when the first may
+the last one that answered: a connection or TLS failure, a reset, or no whole answer
+within :data:`ATTEMPT_S` moves the call to the next. A call is retried on another replica even when the first may
 have committed it: a join is answered again for the same CSR (JoinService's lost
 answer rule), a renewal issues another certificate within the 6 an hour, a vouch
 refreshes. When none answers: ``UNAVAILABLE`` with ``retry-pushback-ms``.
@@ -52,7 +52,8 @@ MAX_PEER_CERT_B64 = 8 * 1024
 MAX_REMOTE = 64
 NONE_UP_PUSHBACK_MS = 1_000
 CONNECT_TIMEOUT_S = 3.0
-CALL_TIMEOUT_S = 35.0  # beyond the API's own 30 s per request
+CALL_TIMEOUT_S = 35.0  # httpx's, per read or write
+ATTEMPT_S = 12.0  # one upstream's whole answer; then the next one, within the node's 30 s
 HEALTH_TIMEOUT_S = 2.0
 _PASSED_HEADERS = ("content-type", "retry-pushback-ms")
 
@@ -99,8 +100,8 @@ class RelayClient:
         return [(self._preferred + i) % n for i in range(n)]
 
     async def forward(self, req: Request) -> Response:
-        headers = {
-            "content-type": req.headers.get("content-type", "application/json")[:100],
+        headers = {  # built here, never copied from the node's request
+            "content-type": "application/json",
             REMOTE_HEADER: req.remote[:MAX_REMOTE],
         }
         if req.peer_cert_der is not None:
@@ -108,11 +109,12 @@ class RelayClient:
         for index in self._order():
             url = self.upstreams[index] + req.path
             try:
-                async with self._client.stream(
-                    "POST", url, content=req.body, headers=headers
-                ) as answer:
-                    body = await _bounded(answer)
-            except (httpx.TransportError, _TooLarge) as exc:
+                with trio.fail_after(ATTEMPT_S):
+                    async with self._client.stream(
+                        "POST", url, content=req.body, headers=headers
+                    ) as answer:
+                        body = await _bounded(answer)
+            except (httpx.TransportError, _TooLarge, trio.TooSlowError) as exc:
                 log.warning("relay to %s failed (%s); trying the next", url, type(exc).__name__)
                 continue
             self._preferred = index
@@ -125,7 +127,7 @@ class RelayClient:
         )
 
     async def any_up(self) -> bool:
-        """Whether an upstream answers its ``/healthz`` (asked at most once a second)."""
+        """Whether an upstream is ready (its ``/readyz``; asked at most once a second)."""
         now = trio.current_time()
         if now - self._up_checked_at < 1.0:
             return self._up
@@ -133,7 +135,7 @@ class RelayClient:
         for index in self._order():
             try:
                 answer = await self._client.get(
-                    self.upstreams[index] + "/healthz", timeout=HEALTH_TIMEOUT_S
+                    self.upstreams[index] + "/readyz", timeout=HEALTH_TIMEOUT_S
                 )
             except httpx.TransportError:
                 continue

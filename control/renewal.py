@@ -31,7 +31,6 @@ stored one, so the row lock on the node is held briefly.
 from __future__ import annotations
 
 import base64
-import hashlib
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -50,20 +49,18 @@ from control.joinservice import (
     record_refusal,
     signed_identity,
 )
+from control.proofs import proof_sha256, spend_proof
 from control.store import Row, Store, Tx
 
 RENEW_REFUSED = "Renew refused"
 CONCURRENT = "This node renewed concurrently; retry"
 CLOCK_SKEW_MS = 60_000
-REPLAY_WINDOW_MS = 120_000
 RENEWALS_PER_HOUR = 6
 RATE_WINDOW_MS = 3_600_000
 # How far a revocation poller should look back behind its previous poll: revoked_at
 # is the revoking transaction's start, so a slow transaction can commit a
 # revocation stamped before one already seen (see revoked_since).
 REVOKED_SINCE_OVERLAP_MS = 120_000
-
-_P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 
 
 class RenewRefused(Refused):
@@ -155,7 +152,7 @@ class RenewService:
             raise refuse("identity-mismatch")
         if abs(request.client_time_ms - now_ms) > CLOCK_SKEW_MS:
             raise refuse("clock-skew")
-        if not _spend_proof(tx, attempt.proof_sha256, node_id, now_ms):
+        if not spend_proof(tx, attempt.proof_sha256, node_id, now_ms):
             raise refuse("pop-replay")
         if not attempt.pop_ok:
             raise refuse("pop-invalid")
@@ -252,34 +249,6 @@ def _prepare(request: wire.RenewRequest, peer_cert_der: bytes | None) -> _Attemp
         csr=csr,
         peer_der=peer_cert_der,
     )
-
-
-def proof_sha256(pop_sig: bytes) -> str:
-    """SHA-256 of the proof in canonical (low-S) form.
-
-    ECDSA signatures are malleable: (r, s) and (r, n - s) both verify, so a replay
-    of a flipped signature must count as the same proof.
-    """
-    if len(pop_sig) == 64:
-        r, s = pop_sig[:32], int.from_bytes(pop_sig[32:], "big")
-        if 0 < s < _P256_ORDER:
-            pop_sig = r + min(s, _P256_ORDER - s).to_bytes(32, "big")
-    return hashlib.sha256(pop_sig).hexdigest()
-
-
-def _spend_proof(tx: Tx, proof: str, node_id: str, now_ms: int) -> bool:
-    """Record the proof; False when it was already accepted in the last 120 s."""
-    tx.execute(
-        "DELETE FROM renew_proofs WHERE node_id = ? AND used_at <= ?",
-        (node_id, now_ms - REPLAY_WINDOW_MS),
-    )
-    changed = tx.execute(
-        "INSERT INTO renew_proofs (proof_sha256, node_id, used_at) VALUES (?, ?, ?) "
-        "ON CONFLICT (proof_sha256) DO UPDATE SET node_id = excluded.node_id, "
-        "used_at = excluded.used_at WHERE renew_proofs.used_at <= ?",
-        (proof, node_id, now_ms, now_ms - REPLAY_WINDOW_MS),
-    )
-    return changed == 1
 
 
 def _cert_row(tx: Tx, der: bytes | None) -> Row | None:

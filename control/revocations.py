@@ -1,7 +1,8 @@
 """PostgreSQL's push of revocations to a gateway: ``LISTEN bc_revoked``.
 
-Migration 0006 makes every revocation ``pg_notify('bc_revoked', serial)`` in the
-revoking transaction, delivered at its commit. :func:`listen` holds one connection
+The store sends ``NOTIFY bc_revoked`` right after a transaction that revoked a
+certificate commits (``Tx.revoked``; never inside it, so a full notification queue
+cannot fail a revocation). :func:`listen` holds one connection
 of its own (not the pool's: a LISTEN lives on its connection) in a worker thread and
 pokes the gateway's revocation poll for each notification, so a session learns of a
 revocation a few milliseconds after the commit, on whichever replica it was made.
@@ -24,9 +25,11 @@ from collections.abc import Callable
 import psycopg
 import trio
 
+from control.store.postgres import REVOKED_CHANNEL
+
 log = logging.getLogger("control.revocations")
 
-CHANNEL = "bc_revoked"
+CHANNEL = REVOKED_CHANNEL
 LIVENESS_S = 10.0
 _BACKOFF_FIRST_S = 0.5
 _BACKOFF_MAX_S = 10.0

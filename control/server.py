@@ -120,6 +120,34 @@ def _setup_logging() -> None:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per relayed call
 
 
+@dataclass
+class _Readiness:
+    """``/readyz`` for every listener of a process: draining, else the database (and, on
+    a gateway, an upstream), asked at most once a second however often it is called."""
+
+    store: Store
+    limiter: trio.CapacityLimiter
+    upstream: RelayClient | None = None
+    draining: bool = False
+    _at: float = -1e9
+    _answer: tuple[bool, str] = (False, "starting")
+
+    async def __call__(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        now = trio.current_time()
+        if now - self._at >= 1.0:
+            self._at = now
+            self._answer = await self._check()
+        return self._answer
+
+    async def _check(self) -> tuple[bool, str]:
+        ok, reason = await _db_ready(self.store, self.limiter)
+        if ok and self.upstream is not None and not await self.upstream.any_up():
+            return False, "no API upstream answers"
+        return ok, reason
+
+
 async def _db_ready(store: Store, limiter: trio.CapacityLimiter) -> tuple[bool, str]:
     def ping() -> None:
         with store.tx() as tx:
@@ -212,6 +240,7 @@ class _Parts:
     gateway: Gateway | None = None
     relay_client: RelayClient | None = None
     listen_url: str | None = None  # PostgreSQL LISTEN for revocations
+    readiness: _Readiness | None = None
 
 
 def _api_parts(
@@ -262,9 +291,8 @@ def _api_parts(
                       RenewService(store, crypto), limiter)  # fmt: skip
     parts = _Parts(role, store, limiter)
 
-    async def ready() -> tuple[bool, str]:
-        return await _db_ready(store, limiter)
-
+    ready = _Readiness(store, limiter)
+    parts.readiness = ready
     on_revocation: Callable[[], None] = lambda: None  # noqa: E731
     if role == "all":
         gateway = Gateway(store, calls.handle, limiter, ready=ready)
@@ -309,20 +337,14 @@ def _gateway_parts(db_url: str, gateway_dir: Path, api_upstreams: Sequence[str])
     limiter = trio.CapacityLimiter(8)
     relay_client = RelayClient(api_upstreams, relay.client_context(bundle))
 
-    async def ready() -> tuple[bool, str]:
-        ok, reason = await _db_ready(store, limiter)
-        if not ok:
-            return ok, reason
-        if not await relay_client.any_up():
-            return False, "no API upstream answers"
-        return True, "ready"
-
+    ready = _Readiness(store, limiter, upstream=relay_client)
     _check_schema(store)
     gateway = Gateway(store, relay_client.forward, limiter, ready=ready)
     ssl_ctx = pki.server_ssl_context(
         bundle.serving_chain_pem, bundle.serving_key, client_ca_pem=bundle.node_ca_pem
     )
     parts = _Parts("gateway", store, limiter, gateway=gateway, relay_client=relay_client)
+    parts.readiness = ready
     parts.handlers["gateway"] = (gateway.handle, ssl_ctx)
     parts.listen_url = db_url
     return parts
@@ -348,6 +370,20 @@ def _check_schema(store: Store) -> None:
             "migrate with the API's login, and make this login a member of "
             "better_compute_gateway",
         ) from exc
+    with store.tx() as tx:
+        writes = tx.one(
+            "SELECT has_table_privilege(current_user, 'join_tokens', 'INSERT,UPDATE') "
+            "OR has_table_privilege(current_user, 'join_requests', 'INSERT,UPDATE') "
+            "OR has_table_privilege(current_user, 'node_certs', 'INSERT,UPDATE') "
+            "OR has_table_privilege(current_user, 'nodes', 'INSERT,UPDATE') AS w"
+        )
+    if writes is not None and writes["w"]:
+        raise ControlError(
+            "INVALID_CONFIG",
+            "the gateway's database login can write admission tables (an owner or a "
+            "superuser?): give the gateway a login that is only a member of "
+            "better_compute_gateway",
+        )
     have = int(row["v"]) if row and row["v"] is not None else 0
     if have < needed:
         raise ControlError(
@@ -403,6 +439,8 @@ async def _run(
             notify("STOPPING=1")
             log.info("draining: no new connections, sessions end, calls in flight finish")
             life.begin_drain()
+            if parts.readiness is not None:
+                parts.readiness.draining = True
             if parts.gateway is not None:
                 parts.gateway.drain()
             if not await life.wait_idle(drain_s):

@@ -12,6 +12,7 @@ import base64
 import functools
 import json
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ import psycopg
 import psycopg.errors
 import pytest
 import trio
+from cryptography.hazmat.primitives import serialization
 
 from bcd import pki as bcd_pki
 from bcd import wire
@@ -218,3 +220,39 @@ def test_the_gateway_database_role_reads_little_and_writes_nothing(tmp_path: Pat
                         conn.execute(sql)
         finally:
             drop_login(url)
+
+
+async def test_a_stolen_gateway_cannot_vouch_as_a_site_agent(
+    tmp_path: Path, pki_template: Path
+) -> None:
+    with fleet(tmp_path, pki_template, apis=1, gateways=1) as f:
+        (gw,) = f.gateways
+        bundle = gatewaypki.load_bundle(f.bundle)
+        site, agents = f.api.site_and_pool()
+        agent = Node.make(tmp_path / "agent", f.api, site, seed=21, gateway_port=gw.port)
+        done = agent.join(f.api.token(agents, role="site")["token"], "--role", "site")
+        assert done.returncode == 0, done.stderr
+        # the real site agent vouches through the gateway: accepted
+        done = agent.bcd("vouch", "--mac", "0c:c4:7a:00:00:01", "--boot-lease-epoch", "7")
+        assert done.returncode == 0, done.stderr
+        # the stolen gateway knows the agent's certificate (every handshake shows it, and
+        # its database login reads node_certs), not its key
+        leaf = bcd_pki.load_pem_chain(
+            json.loads((agent.data_dir / "identity.json").read_text())["chain"]
+        )[0]
+        der = leaf.public_bytes(serialization.Encoding.DER)
+        headers = {relay.PEER_CERT_HEADER: base64.b64encode(der).decode()}
+        now = int(time.time() * 1000)
+        forged = [
+            {"mac": "0c:c4:7a:00:00:02", "boot_lease_epoch": 9},  # no proof at all
+            {"mac": "0c:c4:7a:00:00:02", "boot_lease_epoch": 9, "client_time": now,
+             "pop_sig": bcd_pki.b64url(b"\x01" * 64)},  # a made-up signature
+        ]  # fmt: skip
+        async with httpx.AsyncClient(verify=relay.client_context(bundle)) as client:
+            for body in forged:
+                answer = await client.post(
+                    relay_url(f.api) + "/v1/discovery/vouch", json=body, headers=headers
+                )
+                assert answer.status_code in (400, 403), answer.text
+        rows = f.api.one("SELECT count(*) AS n FROM discovery_vouches")
+        assert rows == {"n": 1}  # only the real agent's

@@ -260,6 +260,13 @@ def test_a_gateway_refuses_the_secret_and_a_login_outside_its_role(
         done = run([*base], env=cli_env(tmp_path, secret=False))
         assert done.returncode != 0
         assert "--role gateway needs --db postgresql://" in done.stderr
+        done = run([*base, "--db", f.gateway_db_url, "--downloads", "/tmp"],
+                   env=cli_env(tmp_path, secret=False))  # fmt: skip
+        assert done.returncode == 2
+        assert "--downloads is for --role api or all" in done.stderr
+        done = run([*base, "--db", pg_schema_url(f.schema)], env=cli_env(tmp_path, secret=False))
+        assert done.returncode == 1  # the owner's login can write: not a gateway's
+        assert "can write admission tables" in done.stderr
         outsider = f"out_{pysecrets.token_hex(4)}"
         with psycopg.connect(PG_URL, autocommit=True) as conn:
             conn.execute(f"CREATE ROLE {outsider} LOGIN")

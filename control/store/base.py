@@ -14,9 +14,14 @@ Params = Sequence[Any]
 
 
 class Tx(abc.ABC):
-    """One database transaction. ``for_update`` is the row-lock suffix of a SELECT."""
+    """One database transaction. ``for_update`` is the row-lock suffix of a SELECT.
+
+    ``revoked`` is set by whoever revokes a certificate in it: after the commit the
+    store wakes the gateways' revocation polls (PostgreSQL NOTIFY, best effort).
+    """
 
     for_update: str = ""
+    revoked: bool = False
 
     @abc.abstractmethod
     def execute(self, sql: str, params: Params = ()) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 from collections.abc import Iterator
 from typing import Any
@@ -12,9 +13,10 @@ import psycopg.errors
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
-from control.errors import StoreConflict, StoreUnavailable
+from control.errors import ControlError, StoreConflict, StoreUnavailable
 from control.store.base import Params, Row, Store, Tx
 
+log = logging.getLogger("control.store")
 _NOW = "SELECT (extract(epoch from now()) * 1000)::bigint AS now"
 _PLACEHOLDER = re.compile(r"\?")
 _MIGRATION_LOCK = 7_361_002
@@ -70,6 +72,20 @@ def _configure(read_only: bool) -> Any:
 
 
 CONNECT_TIMEOUT_S = 5
+REVOKED_CHANNEL = "bc_revoked"
+
+
+def _notify_revoked(conn: psycopg.Connection[Any]) -> None:
+    """Wake every LISTENing gateway, after the revocation committed (never inside it: a
+    notification queue that a stolen gateway keeps full must not fail a revocation).
+    Best effort: the gateways poll every second anyway."""
+    try:
+        conn.execute(f"NOTIFY {REVOKED_CHANNEL}")
+        conn.commit()
+    except psycopg.Error:
+        log.warning("could not notify the gateways of a revocation; they poll within 1 s")
+        with contextlib.suppress(psycopg.Error):
+            conn.rollback()
 
 
 class PostgresStore(Store):
@@ -103,8 +119,9 @@ class PostgresStore(Store):
     def tx(self) -> Iterator[Tx]:
         try:
             with self._pool.connection() as conn:
+                tx = _PgTx(conn)
                 try:
-                    yield _PgTx(conn)
+                    yield tx
                 except BaseException:
                     with contextlib.suppress(psycopg.Error):
                         conn.rollback()
@@ -113,13 +130,31 @@ class PostgresStore(Store):
                     conn.commit()
                 except psycopg.errors.UniqueViolation as exc:
                     raise StoreConflict("unique constraint") from exc
+                if tx.revoked:
+                    _notify_revoked(conn)
         except (PoolTimeout, psycopg.OperationalError) as exc:
             # no connection within ``timeout``, the server went away, a statement or
             # lock timeout: the database cannot answer now (never a bug's 503)
             raise StoreUnavailable() from exc
 
     def _lock_migrations(self, tx: Tx) -> None:
-        tx.query("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+        # Once schema_migrations exists, lock it: EXCLUSIVE needs a write privilege, so
+        # a gateway login (SELECT only) cannot hold migrations off the way it could hold
+        # an advisory lock, which PUBLIC may take. The first migration, before any
+        # gateway login exists, serialises on the advisory lock.
+        row = tx.one("SELECT to_regclass('schema_migrations') IS NOT NULL AS present")
+        if row is not None and row["present"]:
+            tx.execute("LOCK TABLE schema_migrations IN EXCLUSIVE MODE")
+        else:
+            tx.query("SELECT pg_advisory_xact_lock(?)", (_MIGRATION_LOCK,))
+
+    def migrate(self) -> list[int]:
+        try:
+            return super().migrate()
+        except (psycopg.errors.RaiseException, psycopg.errors.InsufficientPrivilege) as exc:
+            # our migrations' own words, or PostgreSQL's about a missing privilege
+            text = (exc.diag.message_primary or "a privilege is missing").replace("\n", " ")
+            raise ControlError("INVALID_CONFIG", f"migrating the database failed: {text}") from exc
 
     def close(self) -> None:
         self._pool.close()

@@ -1,24 +1,9 @@
--- PostgreSQL only. (1) Every revocation notifies the gateways at once: a trigger on
--- node_certs sends pg_notify('bc_revoked', serial) when revoked_at is first set, so
--- a gateway LISTENing wakes its revocation poll at the revoking commit (the poll
--- every second stays behind it for a missed notification or a dropped connection).
--- (2) The gateway's database role: better_compute_gateway (NOLOGIN; a gateway logs
--- in as a member of it) may read node certificates, whether a node is retired and
--- the schema version, and nothing else; it can write nothing at all, so a stolen
--- gateway cannot insert a token, approve a request or reset a use.
-CREATE FUNCTION bc_notify_revoked() RETURNS trigger LANGUAGE plpgsql AS $$
-BEGIN
-  PERFORM pg_notify('bc_revoked', NEW.serial);
-  RETURN NEW;
-END
-$$;
-
-CREATE TRIGGER node_certs_notify_revoked
-  AFTER UPDATE OF revoked_at ON node_certs
-  FOR EACH ROW
-  WHEN (OLD.revoked_at IS NULL AND NEW.revoked_at IS NOT NULL)
-  EXECUTE FUNCTION bc_notify_revoked();
-
+-- PostgreSQL only. The gateway's database role: better_compute_gateway (NOLOGIN; a
+-- gateway logs in as a member of it) may read node certificates, whether a node is
+-- retired and the schema version, and nothing else; it can write nothing at all, so
+-- a stolen gateway cannot insert a token, approve a request or reset a use. (The
+-- revocation notification is sent after the revoking commit, by the store, never
+-- inside it: a full notification queue must not be able to fail a revocation.)
 DO $$
 BEGIN
   IF NOT EXISTS (SELECT 1 FROM pg_roles WHERE rolname = 'better_compute_gateway') THEN
