@@ -38,17 +38,46 @@ def artifact_path(root: Path, path: str) -> Path | None:
     return root / "bcd" / m.group(1) / f"linux-{m.group(2)}"
 
 
-def _servable(path: Path) -> bool:
+def open_inside(root: Path, target: Path) -> int | None:
+    """Open ``target`` for reading, a regular file of at most MAX_BYTES reached from
+    ``root`` without following any symbolic link on the way (a link planted inside the
+    downloads directory must not serve /etc/shadow); None when it is not one."""
+    parts = target.relative_to(root).parts
+    flags = os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
     try:
-        st = os.stat(path)
+        fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
+        return None
+    try:
+        for part in parts[:-1]:
+            inner = os.open(part, flags | os.O_DIRECTORY, dir_fd=fd)
+            os.close(fd)
+            fd = inner
+        found = os.open(parts[-1], flags | os.O_NONBLOCK, dir_fd=fd)
+    except OSError:  # ELOOP for a link, ENOENT, ENOTDIR …
+        return None
+    finally:
+        os.close(fd)
+    st = os.fstat(found)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > MAX_BYTES:
+        os.close(found)
+        return None
+    return found
+
+
+def _servable(root: Path, path: Path) -> bool:
+    fd = open_inside(root, path)
+    if fd is None:
         return False
-    return stat.S_ISREG(st.st_mode) and st.st_size <= MAX_BYTES
+    os.close(fd)
+    return True
 
 
-async def _chunks(path: Path) -> AsyncIterator[bytes]:
+async def _chunks(root: Path, path: Path) -> AsyncIterator[bytes]:
     # Opened here, when the body is sent, so an answer never sent leaves nothing open.
-    fd = await trio.to_thread.run_sync(os.open, path, os.O_RDONLY | os.O_CLOEXEC)
+    fd = await trio.to_thread.run_sync(open_inside, root, path)
+    if fd is None:
+        return
     try:
         while chunk := await trio.to_thread.run_sync(os.read, fd, CHUNK):
             yield chunk
@@ -59,14 +88,14 @@ async def _chunks(path: Path) -> AsyncIterator[bytes]:
 async def serve_download(root: Path | None, method: str, path: str) -> Response:
     """The answer to ``method path`` (the part after the base path)."""
     target = artifact_path(root, path) if root is not None else None
-    if target is None:
+    if target is None or root is None:
         raise ControlError("NOT_FOUND", "no such download")
     if method != "GET":
         raise ControlError("NOT_FOUND", "no such download")
-    if not await trio.to_thread.run_sync(_servable, target):
+    if not await trio.to_thread.run_sync(_servable, root, target):
         raise ControlError("NOT_FOUND", "no such download")
     headers = [
         ("content-type", "application/octet-stream"),
         ("content-disposition", f'attachment; filename="bcd-{target.parent.name}-{target.name}"'),
     ]
-    return Response(200, headers=headers, stream=_chunks(target))
+    return Response(200, headers=headers, stream=_chunks(root, target))

@@ -658,6 +658,9 @@ def server_ssl_context(
     """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    # TLS 1.2 with forward-secret AEAD suites only (TLS 1.3's are all AEAD)
+    ctx.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
+    ctx.set_alpn_protocols(["http/1.1"])
     ctx.options |= ssl.OP_NO_TICKET
     ctx.num_tickets = 0
     load_chain(ctx, chain_pem, key)
