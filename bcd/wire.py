@@ -411,11 +411,32 @@ def open_seal(
         raise WireError("iat missing")
     if not isinstance(csr, str) or not re.fullmatch(r"[0-9a-f]{64}", csr):
         raise WireError("csr missing")
+    return OpenedSeal(token=_sealed_token(plaintext), iat=iat, csr_sha256=csr)
+
+
+class NotAToken(WireError):
+    """The seal opened (it was made for this JoinService) but holds no join token."""
+
+
+_LOOSE_TOKEN_RE = re.compile(r"^bcjt_(jt_[0-9a-z]{26})\.([\x21-\x7e]{1,256})$")
+
+
+def _sealed_token(plaintext: bytes) -> JoinToken:
+    """The token a seal holds. A well-formed token id with a secret of the wrong shape
+    (say the stored hash from a database dump) is still that token's, so its check
+    answers ``token-secret``; anything else is :class:`NotAToken` (``token-malformed``)."""
     try:
-        token = parse_token(plaintext.decode("ascii"))
+        text = plaintext.decode("ascii")
     except UnicodeDecodeError as exc:
-        raise WireError("not a join token") from exc
-    return OpenedSeal(token=token, iat=iat, csr_sha256=csr)
+        raise NotAToken("not a join token") from exc
+    try:
+        return parse_token(text)
+    except WireError:
+        pass
+    m = _LOOSE_TOKEN_RE.fullmatch(text.strip())
+    if m is None:
+        raise NotAToken("not a join token")
+    return JoinToken(m.group(1), m.group(2))
 
 
 # --- signed responses (compact JWS, ES256) ----------------------------------------

@@ -334,6 +334,8 @@ class JoinService:
                 seal = wire.open_seal(
                     request.sealed_token, crypto.decryption_jwk, crypto.encryption_pin
                 )
+            except wire.NotAToken:
+                seal_error = "token-malformed"
             except wire.WireError:
                 seal_error = "seal-invalid"
         return _Attempt(

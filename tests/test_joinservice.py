@@ -941,3 +941,30 @@ def test_invented_attestor_names_share_one_refusal_budget_and_are_never_written(
     assert not any("made-up" in json.dumps(e) for e in got)
     rows = world.rows("SELECT rate_key FROM refusal_windows")
     assert [r["rate_key"] for r in rows] == [f"{world.root}|join|unknown:seal-invalid"]
+
+
+def _sealed_plaintext(world: World, plaintext: str) -> Attempt:
+    """A join whose seal (made for this JoinService, bound to its CSR) holds ``plaintext``."""
+    key = bpki.generate_key()
+    csr = bpki.make_csr(key)
+    header = {
+        "alg": "ECDH-ES+A256KW", "enc": "A256GCM", "typ": wire.SEAL_TYP,
+        "kid": bpki.spki_pin(world.enc), "iat": int(time.time()), "csr": bpki.sha256_hex(csr),
+    }  # fmt: skip
+    from jwcrypto import jwe, jwk
+
+    token_jwe = jwe.JWE(plaintext.encode(), protected=json.dumps(header))
+    token_jwe.add_recipient(jwk.JWK(**wire.public_jwk_of(world.enc)))
+    return world.body(None, machine(70), key=key, csr_der=csr,
+                      sealed=token_jwe.serialize(compact=True))  # fmt: skip
+
+
+def test_a_bearer_built_from_a_database_dump_is_refused_token_secret(world: World) -> None:
+    token = world.mint()
+    stored = world.rows("SELECT secret_sha256 FROM join_tokens")[0]["secret_sha256"]
+    attempt = _sealed_plaintext(world, f"bcjt_{token_id(token)}.{stored}")
+    world.refused(attempt, "token-secret", routed_to=ROOT_ONLY)
+
+
+def test_a_seal_holding_no_token_is_refused_token_malformed(world: World) -> None:
+    world.refused(_sealed_plaintext(world, "hello, world"), "token-malformed", routed_to=ROOT_ONLY)
