@@ -179,7 +179,7 @@ def bcd_server_verify(
         return Refuse("ip-mismatch")
     approval = ctx.settings.get(SETTING_APPROVAL, APPROVALS[0])
     if approval == "unknown-machines" and trusted is not None:
-        known = ctx.lookup_node_by_hardware_key(trusted)
+        known = ctx.lookup_node_by_hardware_key(trusted, pool.tenant_id)
         if known is not None and not known.retired and known.pool_id == pool.pool_id:
             ctx.consume_vouch(vouch.vouch_id)
             return admit

@@ -264,8 +264,12 @@ class ServerJoinContext(Protocol):
     def consume_challenge(self, challenge_id: str) -> None:
         """Mark the challenge used; undone if the join is refused later."""
 
-    def lookup_node_by_hardware_key(self, hardware_key: str) -> NodeRecord | None:
-        """The node whose trusted hardware key is ``hardware_key`` (None if none)."""
+    def lookup_node_by_hardware_key(
+        self, hardware_key: str, tenant_id: str | None = None
+    ) -> NodeRecord | None:
+        """The node of ``tenant_id`` whose trusted hardware key is ``hardware_key`` (None
+        if none). Hardware keys are judged within a tenant: two tenants may each hold a
+        node claiming one key; without ``tenant_id`` the oldest such node is returned."""
 
     def lookup_vouch(self, site_id: str, mac: str) -> VouchRecord | None:
         """The newest vouch of a site agent of ``site_id`` for ``mac`` (None if none;

@@ -124,8 +124,11 @@ class ConformanceContext:
         """No join request is ever found here."""
         return None
 
-    def lookup_node_by_hardware_key(self, hardware_key: str) -> NodeRecord | None:
-        return self.nodes.get(hardware_key)
+    def lookup_node_by_hardware_key(
+        self, hardware_key: str, tenant_id: str | None = None
+    ) -> NodeRecord | None:
+        node = self.nodes.get(hardware_key)
+        return node if node is not None and tenant_id in (None, node.tenant_id) else None
 
     def lookup_vouch(self, site_id: str, mac: str) -> VouchRecord | None:
         return self.vouches.get((site_id, mac))

@@ -187,11 +187,15 @@ class _Ctx:
         if changed != 1:  # pragma: no cover - the row is locked and was checked
             raise ControlError("CONFLICT", CONCURRENT)
 
-    def lookup_node_by_hardware_key(self, hardware_key: str) -> NodeRecord | None:
-        row = self._tx.one(
-            "SELECT * FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1",
-            (hardware_key,),
-        )
+    def lookup_node_by_hardware_key(
+        self, hardware_key: str, tenant_id: str | None = None
+    ) -> NodeRecord | None:
+        sql = "SELECT * FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1"
+        params: list[Any] = [hardware_key]
+        if tenant_id is not None:
+            sql += " AND tenant_id = ?"
+            params.append(tenant_id)
+        row = self._tx.one(sql + " ORDER BY created_at, id LIMIT 1", params)
         if row is None:
             return None
         return NodeRecord(
@@ -316,14 +320,20 @@ class JoinService:
         except wire.WireError as exc:
             raise invalid(f"malformed join request: {exc}") from exc
         attempt = dataclasses.replace(self._prepare(request, crypto), peer_ip=peer_ip)
-        try:
-            with self.store.tx() as tx:
-                return self._admit(tx, attempt, crypto)
-        except Refused as refusal:
-            self._record_refusal(attempt, refusal)
-            raise
-        except StoreConflict as exc:
-            raise ControlError("CONFLICT", CONCURRENT) from exc
+        for last in (False, True):
+            try:
+                with self.store.tx() as tx:
+                    return self._admit(tx, attempt, crypto)
+            except Refused as refusal:
+                self._record_refusal(attempt, refusal)
+                raise
+            except StoreConflict as exc:
+                # A concurrent join of the same machine committed first: judge again,
+                # now seeing it, so the loser is answered as it would be after it (a
+                # reclaim, refused without allow_reclaim) on both stores alike.
+                if last:
+                    raise ControlError("CONFLICT", CONCURRENT) from exc
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # --- steps ------------------------------------------------------------------
 
@@ -529,6 +539,9 @@ class JoinService:
         placeholder = hw.hex is None or not hw.trusted or not hw.has_uuid_or_serial
         if attempt.attestor == JOIN_TOKEN and placeholder and not admit.expect:
             raise self._refuse(attempt, "placeholder-hardware", tenant)
+        if attempt.attestor == JOIN_TOKEN and placeholder and hw.trusted:
+            # admitted by its expect binding: the seed's untrusted key, never a reclaim key
+            hw = dataclasses.replace(hw, trusted=False)
         existing = None
         if admit.node_id is not None:  # a re-join of exactly this node (x509pop)
             existing = tx.one("SELECT * FROM nodes WHERE id = ?" + tx.for_update, (admit.node_id,))
@@ -538,10 +551,12 @@ class JoinService:
                 # never downgrade a TPM-bound node to a bare key, whatever the attestor
                 raise self._refuse(attempt, "reclaim", tenant)
         elif hw.trusted and hw.hex is not None:
+            # judged within the tenant: another tenant's node claiming the same key can
+            # neither lock this machine out nor learn of it (docs/decisions.md)
             existing = tx.one(
-                "SELECT * FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1"
-                + tx.for_update,
-                (hw.hex,),
+                "SELECT * FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1 "
+                "AND tenant_id = ?" + tx.for_update,
+                (hw.hex, tenant),
             )
         pool = tx.one("SELECT * FROM pools WHERE id = ?", (admit.pool_id,))
         role = self._cert_role(tx, admit, pool)
@@ -648,6 +663,8 @@ class JoinService:
             payload["rejoin"] = True
         events.publish(tx, tenant, "node.joined", payload)
         events.audit(tx, tenant, "node.reclaimed" if reclaim else "node.joined", node_id, payload)
+        if hw.trusted and hw.hex is not None:
+            _report_shared_key(tx, tenant, node_id, hw.hex)
         return signed_identity(
             crypto, "joined", spiffe, role, leaf, attempt.csr_sha256, now_ms, generation
         )
@@ -695,6 +712,30 @@ def platform_operated(tx: Tx, pool: Mapping[str, Any]) -> bool:
         return False
     root = tenancy.root_tenant(tx)
     return root is None or root == pool["tenant_id"]
+
+
+def _report_shared_key(tx: Tx, tenant: str, node_id: str, hardware_key: str) -> None:
+    """Tell the root tenant (never either tenant) when live nodes of other tenants
+    claim the same trusted hardware key: one of them copied the other's identifiers."""
+    others = tx.query(
+        "SELECT id, tenant_id FROM nodes WHERE hardware_key = ? AND hardware_key_trusted = 1 "
+        "AND tenant_id <> ? AND retired_at IS NULL ORDER BY created_at, id LIMIT 10",
+        (hardware_key, tenant),
+    )
+    root = tenancy.root_tenant(tx) if others else None
+    if root is None:
+        return
+    events.publish(
+        tx,
+        root,
+        "security.hardware-key.shared",
+        {
+            "hardwareKey": hardware_key,
+            "nodeId": node_id,
+            "tenantId": tenant,
+            "others": [{"nodeId": r["id"], "tenantId": r["tenant_id"]} for r in others],
+        },
+    )
 
 
 def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> list[str]:

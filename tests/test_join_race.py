@@ -1,10 +1,12 @@
-"""Two joins of one machine racing each other end with one CONFLICT (PostgreSQL).
+"""Two joins of one machine racing each other: the loser is judged as if it came after.
 
 On SQLite every join is one BEGIN IMMEDIATE transaction, so two joins never
 overlap: the second sees the first's node and is a reclaim (refused without
 allowReclaim). On PostgreSQL they can overlap; the unique index on trusted
-hardware keys turns the loser into CONFLICT ("This machine joined concurrently;
-retry"). A barrier inside the attestor's verdict makes the overlap certain.
+hardware keys fails the loser's transaction, and JoinService judges it once more,
+now seeing the winner's node: the same reclaim refusal on both stores, with the
+token's use rolled back. A barrier inside the attestor's verdict makes the overlap
+certain.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from bcd import pki, wire
 from bcd.plugins import load_plugins
 from control import tenancy, tokens
 from control.errors import ControlError
-from control.joinservice import CONCURRENT, JoinService
+from control.joinservice import JoinService
 from control.pki import Pki
 from control.server import join_crypto
 from control.store import Store, open_store
@@ -64,7 +66,7 @@ def _body(token: str, memory_pki: Pki) -> bytes:
     )
 
 
-def test_two_joins_of_one_machine_racing_end_with_one_conflict(
+def test_two_joins_of_one_machine_racing_end_as_if_one_came_after(
     pg_store: Store, memory_pki: Pki
 ) -> None:
     with pg_store.tx() as tx:
@@ -75,10 +77,13 @@ def test_two_joins_of_one_machine_racing_end_with_one_conflict(
     plugins = load_plugins()
     barrier = threading.Barrier(2, timeout=10)
     verify = plugins.server_verify
+    calls: list[int] = []
 
     def in_step(*args: Any, **kwargs: Any) -> Any:
         verdict = verify(*args, **kwargs)
-        barrier.wait()  # both have locked their own token before either inserts the node
+        calls.append(1)
+        if len(calls) <= 2:  # both have locked their own token before either inserts
+            barrier.wait()
         return verdict
 
     plugins.server_verify = in_step  # type: ignore[method-assign]
@@ -97,8 +102,15 @@ def test_two_joins_of_one_machine_racing_end_with_one_conflict(
         t.start()
     for t in threads:
         t.join()
-    assert sorted(outcomes) == sorted(["joined", f"CONFLICT: {CONCURRENT}"])
+    assert sorted(outcomes) == sorted(["joined", "ACCESS_DENIED: Join refused"])
+    assert len(calls) == 3  # the loser was judged a second time
     with pg_store.tx() as tx:
         assert tx.one("SELECT COUNT(*) AS n FROM nodes") == {"n": 1}
         uses = [r["uses_left"] for r in tx.query("SELECT uses_left FROM join_tokens ORDER BY id")]
+        reasons = [
+            r["payload"] for r in tx.query("SELECT payload FROM events WHERE type = ?",
+                                           ("security.join.refused",))
+        ]  # fmt: skip
     assert sorted(uses) == [0, 1]  # the loser's use was rolled back
+    assert len(reasons) == 1
+    assert '"reason": "join-token:reclaim"' in reasons[0]

@@ -555,7 +555,9 @@ def test_join_refused_seal_invalid(world: World, how: str) -> None:
             wire.JoinToken("jt_not-a-real-id", "x"), world.enc, csr, int(time.time())
         )
     attempt = world.body(None, machine(28), key=key, csr_der=csr, sealed=sealed)
-    world.refused(attempt, "seal-invalid", routed_to=ROOT_ONLY)
+    # a seal that opens but holds no token is the token's fault, not the seal's
+    reason = "token-malformed" if how == "not-a-token-inside" else "seal-invalid"
+    world.refused(attempt, reason, routed_to=ROOT_ONLY)
 
 
 def test_join_refused_seal_csr_for_a_seal_made_for_another_csr(world: World) -> None:
@@ -968,3 +970,44 @@ def test_a_bearer_built_from_a_database_dump_is_refused_token_secret(world: Worl
 
 def test_a_seal_holding_no_token_is_refused_token_malformed(world: World) -> None:
     world.refused(_sealed_plaintext(world, "hello, world"), "token-malformed", routed_to=ROOT_ONLY)
+
+
+def test_mac_and_gpu_only_with_an_expect_binding_joins_with_an_untrusted_key(
+    world: World,
+) -> None:
+    claims = Claims(
+        macs=("00:1b:21:aa:bb:dd",),
+        gpu_uuids=("GPU-3b1e3c4e-7f9a-4a33-9d2e-5c1b8a7e6f10",),
+        hostname="gpu-box",
+    )
+    token = world.mint(expect={"mac": "00:1b:21:aa:bb:dd"})
+    world.join(world.body(token, claims))
+    (node,) = world.rows("SELECT hardware_key_trusted FROM nodes")
+    assert node["hardware_key_trusted"] == 0
+    (joined,) = world.events(world.tenant, "node.joined")
+    assert joined["payload"]["hardwareKeyTrusted"] is False
+
+
+def test_another_tenant_cannot_lock_a_machine_out_with_its_identifiers(world: World) -> None:
+    with world.store.tx() as tx:
+        squatter, _ = tenancy.create_tenant(tx, "squatter")
+        site_b = str(tenancy.create_site(tx, squatter, "b")["id"])
+    pool_b = world.pool_in(squatter, site_b)
+    victim_claims = machine(80)
+    # tenant B joins first with tenant A's machine identifiers
+    first = world.join(world.body(world.mint(tenant=squatter, pool=pool_b), victim_claims))
+    # A's real machine, with A's plain token, still joins (a new node of A)
+    second = world.join(world.body(world.mint(), victim_claims))
+    assert first["node_id"] != second["node_id"]
+    rows = world.rows("SELECT tenant_id, hardware_key_trusted FROM nodes ORDER BY created_at")
+    assert [(r["tenant_id"], r["hardware_key_trusted"]) for r in rows] == [
+        (squatter, 1),
+        (world.tenant, 1),
+    ]
+    # B learns nothing of A: its events name only itself; the root tenant is told
+    assert not any(world.tenant in json.dumps(e) for e in world.events(squatter, "node.joined"))
+    assert world.events(squatter, "security.hardware-key.shared") == []
+    assert world.events(world.tenant, "security.hardware-key.shared") == []
+    (shared,) = world.events(world.root, "security.hardware-key.shared")
+    assert shared["payload"]["nodeId"] == second["node_id"]
+    assert shared["payload"]["others"] == [{"nodeId": first["node_id"], "tenantId": squatter}]
