@@ -467,34 +467,72 @@ class PluginFailure:
 
 @dataclass
 class Plugins:
+    """The loaded attestors. Each name is answered by the one plugin that claims it
+    (``owners``): a hook is called on that plugin only, so a plugin registered later
+    cannot answer for another's attestor, and a name two plugins claim is refused at
+    load (both claims; reported in ``failures``), never silently given to either."""
+
     pm: pluggy.PluginManager
     failures: list[PluginFailure]
+    owners: dict[str, object] = field(default_factory=dict)
 
     def names(self) -> list[str]:
-        out: list[str] = []
-        for names in self.pm.hook.bcd_attestor_names():
-            out.extend(n for n in names if n not in out)
-        return out
+        return list(self.owners)
+
+    def _call(self, hook: str, owned: str, /, **kwargs: Any) -> Any:
+        owner = self.owners.get(owned)
+        if owner is None:
+            return None
+        for impl in getattr(self.pm.hook, hook).get_hookimpls():
+            if impl.plugin is owner:
+                return impl.function(*[kwargs[name] for name in impl.argnames])
+        return None
 
     def node_evidence(self, attestor: str, ctx: NodeJoinContext) -> NodeEvidence | None:
-        result: NodeEvidence | None = self.pm.hook.bcd_node_evidence(attestor=attestor, ctx=ctx)
+        result: NodeEvidence | None = self._call(
+            "bcd_node_evidence", attestor, attestor=attestor, ctx=ctx
+        )
         return result
 
     def node_answer(
         self, attestor: str, challenge: dict[str, Any], ctx: NodeJoinContext
     ) -> dict[str, Any] | None:
-        result: dict[str, Any] | None = self.pm.hook.bcd_node_answer(
-            attestor=attestor, challenge=challenge, ctx=ctx
+        result: dict[str, Any] | None = self._call(
+            "bcd_node_answer", attestor, attestor=attestor, challenge=challenge, ctx=ctx
         )
         return result
 
     def server_verify(
         self, attestor: str, request: wire.JoinRequest, ctx: ServerJoinContext
     ) -> Verdict | None:
-        result: Verdict | None = self.pm.hook.bcd_server_verify(
-            attestor=attestor, request=request, ctx=ctx
+        result: Verdict | None = self._call(
+            "bcd_server_verify", attestor, attestor=attestor, request=request, ctx=ctx
         )
         return result
+
+
+def _owners(pm: pluggy.PluginManager, failures: list[PluginFailure]) -> dict[str, object]:
+    claims: dict[str, list[tuple[str, object]]] = {}
+    for impl in pm.hook.bcd_attestor_names.get_hookimpls():
+        try:
+            names = impl.function()
+        except Exception as exc:  # a broken plugin never takes the host down
+            failures.append(PluginFailure(impl.plugin_name, f"{type(exc).__name__}: {exc}"))
+            continue
+        for name in names if isinstance(names, list) else []:
+            if isinstance(name, str) and (impl.plugin_name, impl.plugin) not in claims.get(
+                name, []
+            ):
+                claims.setdefault(name, []).append((impl.plugin_name, impl.plugin))
+    owners: dict[str, object] = {}
+    for name, claimants in sorted(claims.items()):
+        if len(claimants) == 1:
+            owners[name] = claimants[0][1]
+            continue
+        who = ", ".join(sorted(n for n, _ in claimants))
+        log.warning("attestor %r is claimed by several plugins (%s): refused", name, who)
+        failures.append(PluginFailure(who, f"several plugins claim the attestor {name!r}"))
+    return owners
 
 
 def load_plugins(extra: list[object] | None = None) -> Plugins:
@@ -519,4 +557,4 @@ def load_plugins(extra: list[object] | None = None) -> Plugins:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
         failures.append(PluginFailure(str(exc.plugin), "implements an unknown hook"))
-    return Plugins(pm, failures)
+    return Plugins(pm, failures, _owners(pm, failures))

@@ -218,6 +218,11 @@ class World:
 
 @pytest.fixture
 def world(store: Store, memory_pki: Pki) -> World:
+    return make_world(store, memory_pki)
+
+
+def make_world(store: Store, memory_pki: Pki) -> World:
+    """The root tenant, a tenant with a site and a pool, and a JoinService over them."""
     with store.tx() as tx:
         root, _ = tenancy.create_tenant(tx, "platform", root=True)
         tenant, _ = tenancy.create_tenant(tx, "acme")
