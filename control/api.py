@@ -186,9 +186,17 @@ class App:
         self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str
     ) -> Response:
         state = q.get("state", "pending")
+        size = _bounded_int(q, "pageSize", 1, 1000, 100) or 100
+        token = q.get("pageToken") or None
+        if token is not None and not re.fullmatch(r"jreq_[0-9a-z]{26}", token):
+            raise invalid("pageToken must be a request id (jreq_…)")
         return json_response(
             200,
-            await self.run(lambda tx: joinrequests.list_requests(tx, tenant, pool_id, state)),
+            await self.run(
+                lambda tx: joinrequests.list_requests(
+                    tx, tenant, pool_id, state, page_size=size, page_token=token
+                )
+            ),
         )
 
     async def _r_requests_approve(

@@ -508,14 +508,19 @@ def _request_path(args: argparse.Namespace) -> str:
 
 
 def cmd_requests_list(args: argparse.Namespace) -> int:
+    query = f"state={args.state}&pageSize={args.page_size}"
+    if args.page_token:
+        query += f"&pageToken={args.page_token}"
     page = _client(args).call(
-        "GET", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-requests?state={args.state}"
+        "GET", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-requests?{query}"
     )
     if args.json:
         print(json.dumps(page, indent=2))
     else:
         for rec in page["items"]:
             print(_request_lines(rec))
+        if page.get("nextPageToken"):
+            print(f"more (older) requests: --page-token {page['nextPageToken']}")
     return 0
 
 
@@ -821,6 +826,8 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["pending", "approved", "rejected", "all"],
         help="which requests (default pending)",
     )
+    p.add_argument("--page-size", type=int, default=100, help="1 to 1000 (newest first)")
+    p.add_argument("--page-token", help="the nextPageToken of the previous page")
     p = verb(jr, "approve", cmd_requests_approve, client=True)
     p.add_argument("request_id")
     p.add_argument("--tenant", required=True)

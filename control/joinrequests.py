@@ -103,8 +103,13 @@ def record_pending(
     defer: Defer,
     claims: dict[str, Any],
     csr_sha256: str,
+    source_ip: str | None = None,
 ) -> str:
-    """Record the machine's pending request, or refresh it with this attempt's CSR."""
+    """Record the machine's pending request, or refresh it with this attempt's CSR.
+
+    A new request must fit the bounds on pending requests (:func:`check_room`);
+    refreshing the machine's own one always does.
+    """
     now = tx.now_ms()
     fields = (
         json.dumps(claims, sort_keys=True),
@@ -129,12 +134,13 @@ def record_pending(
             (*fields, attestor, now, row["id"]),
         )
         return str(row["id"])
+    check_room(tx, defer.pool_id, site_id, source_ip)
     request_id = new_id("jreq")
     tx.execute(
         "INSERT INTO join_requests (id, tenant_id, pool_id, site_id, attestor, machine_key, "
         "claims, hardware_key, mac, ip, workflow_id, csr_sha256, vouched_by, boot_lease_epoch, "
-        "state, created_at, updated_at) "
-        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?)",
+        "state, created_at, updated_at, source_ip) "
+        "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?)",
         (
             request_id,
             tenant_id,
@@ -145,26 +151,82 @@ def record_pending(
             *fields,
             now,
             now,
+            source_ip,
         ),
     )
     return request_id
 
 
+MAX_PENDING_PER_POOL = 5_000
+MAX_PENDING_PER_SITE = 2_000
+MAX_PENDING_PER_SOURCE = 50
+PENDING_FULL_PUSHBACK_MS = 60_000
+
+
+def check_room(tx: Tx, pool_id: str, site_id: str, source_ip: str | None) -> None:
+    """Bound pending requests, so made-up machines (an unauthenticated EK or vouch
+    flood) cannot bury a real one: per pool, per site and per source address. Over a
+    bound the join is answered RESOURCE_EXHAUSTED with a minute's pushback (not a
+    refusal: the machine may be real and waits its turn)."""
+    bounds = [
+        ("pool_id = ?", pool_id, MAX_PENDING_PER_POOL, "this pool"),
+        ("site_id = ?", site_id, MAX_PENDING_PER_SITE, "this site"),
+    ]
+    if source_ip is not None:
+        bounds.append(("source_ip = ?", source_ip, MAX_PENDING_PER_SOURCE, "this address"))
+    for where, value, limit, what in bounds:
+        row = tx.one(
+            f"SELECT count(*) AS n FROM (SELECT 1 FROM join_requests WHERE {where} "
+            "AND state = 'pending' LIMIT ?) AS capped",
+            (value, limit),
+        )
+        if row is not None and int(row["n"]) >= limit:
+            raise ControlError(
+                "RESOURCE_EXHAUSTED",
+                f"{what} has {limit} join requests waiting for a decision; retry later",
+                retry_after_ms=PENDING_FULL_PUSHBACK_MS,
+            )
+
+
 # --- the tenant API -----------------------------------------------------------------
 
 
-def list_requests(tx: Tx, tenant_id: str, pool_id: str, state: str = "pending") -> dict[str, Any]:
-    """The pool's requests: ``pending`` (the default), ``approved``, ``rejected`` or ``all``."""
+def list_requests(
+    tx: Tx,
+    tenant_id: str,
+    pool_id: str,
+    state: str = "pending",
+    *,
+    page_size: int = 100,
+    page_token: str | None = None,
+) -> dict[str, Any]:
+    """The pool's requests, newest first: ``pending`` (the default), ``approved``,
+    ``rejected`` or ``all``; ``nextPageToken`` (the last id shown) when more remain."""
     tenancy.owned_pool(tx, tenant_id, pool_id)
     if state not in (*STATES, "all"):
         raise invalid("state must be pending, approved, rejected or all")
+    if isinstance(page_size, bool) or not 1 <= page_size <= 1000:
+        raise invalid("pageSize must be from 1 to 1000")
     sql = "SELECT * FROM join_requests WHERE pool_id = ?"
     params: list[Any] = [pool_id]
     if state != "all":
         sql += " AND state = ?"
         params.append(state)
-    sql += " ORDER BY created_at, id LIMIT 1000"
-    return {"items": [record(r) for r in tx.query(sql, params)]}
+    if page_token:
+        after = tx.one(
+            "SELECT created_at, id FROM join_requests WHERE id = ? AND pool_id = ?",
+            (page_token, pool_id),
+        )
+        if after is None:
+            raise invalid("pageToken is not a request of this pool")
+        sql += " AND (created_at < ? OR (created_at = ? AND id < ?))"
+        params += [after["created_at"], after["created_at"], after["id"]]
+    sql += " ORDER BY created_at DESC, id DESC LIMIT ?"
+    rows = tx.query(sql, [*params, page_size + 1])
+    page: dict[str, Any] = {"items": [record(r) for r in rows[:page_size]]}
+    if len(rows) > page_size:
+        page["nextPageToken"] = rows[page_size - 1]["id"]
+    return page
 
 
 def _lock_pending(tx: Tx, tenant_id: str, pool_id: str, request_id: str) -> Row:

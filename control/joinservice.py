@@ -482,6 +482,7 @@ class JoinService:
             defer=defer,
             claims=attempt.request.claims.to_json(),
             csr_sha256=attempt.csr_sha256,
+            source_ip=attempt.peer_ip,
         )
         retry = defer.retry_after_s if isinstance(defer.retry_after_s, int) else 5
         body = {
