@@ -22,7 +22,7 @@ from bcd import fs
 from bcd.pki import cert_pem
 from bcd.plugins import load_plugins
 from bcd.systemd import notify, under_journald
-from control import gatewaypki, pki, relay, revocations
+from control import gatewaypki, pki, relay, retention, revocations
 from control.api import App
 from control.errors import ControlError, StoreUnavailable
 from control.gateway import Gateway, NodeCalls
@@ -420,6 +420,8 @@ async def _run(
                         limits=parts.limits[name],
                     )
                 )
+            if parts.role != "gateway":
+                nursery.start_soon(retention.pruner, parts.store, parts.limiter)
             if parts.gateway is not None:
                 nursery.start_soon(parts.gateway.revocation_poller)
                 if parts.listen_url is not None:
