@@ -499,11 +499,84 @@ class ErrorBody:
 
 
 def parse_error(data: bytes) -> ErrorBody | None:
+    """An error answer's ``{"code", "message"}`` (at most 4 KiB; the message cut to 512
+    characters, non-printable ones blanked), or ``None`` when it is not one."""
     try:
         obj = loads_object(data, 4096)
     except WireError:
         return None
     code, message = obj.get("code"), obj.get("message")
     if isinstance(code, str) and code in STATUS and isinstance(message, str):
-        return ErrorBody(code, message[:512])
+        # shown on one line: a control character (a newline) cannot forge another
+        text = "".join(ch if ch.isprintable() else " " for ch in message[:512])
+        return ErrorBody(code, text)
     return None
+
+
+_PUSHBACK = re.compile(r"[0-9]{1,9}")
+
+
+def parse_pushback(value: str | None) -> float | None:
+    """``retry-pushback-ms`` as seconds to wait, or ``None`` when absent or unparsable.
+
+    Only 1 to 9 ASCII digits are a value (surrounding blanks aside): a sign, another
+    script's digits, a fraction, a list of values or a longer number count as absent.
+    A value over :data:`MAX_PUSHBACK_MS` is capped to it.
+    """
+    if not isinstance(value, str):
+        return None
+    text = value.strip(" \t")
+    if _PUSHBACK.fullmatch(text) is None:
+        return None
+    return min(int(text), MAX_PUSHBACK_MS) / 1000
+
+
+# --- the signed RevocationNotice --------------------------------------------------
+
+NOTICE_KIND = "revocation"
+MAX_NOTICE_REASON = 200
+
+
+def revocation_notice_body(node_id: str, serial: str, reason: str, revoked_at_ms: int) -> dict[str, Any]:
+    """What JoinService signs when it revokes a certificate (a SignedResponse body)."""
+    return {
+        "kind": NOTICE_KIND,
+        "node_id": node_id,
+        "serial": serial,
+        "reason": reason[:MAX_NOTICE_REASON],
+        "revoked_at": revoked_at_ms,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RevocationNotice:
+    node_id: str
+    serial: str
+    reason: str
+    revoked_at_ms: int
+
+
+def verify_revocation_notice(
+    jws: object, signing_key_pin: str, node_id: str, serials: Sequence[str]
+) -> RevocationNotice:
+    """A notice that this node's certificate (one of ``serials``) was revoked, signed
+    under the pinned join-signing key; WireError otherwise. The reason comes back
+    with control characters replaced, so it can reach a log line as it is."""
+    if not isinstance(jws, str):
+        raise WireError("the revocation notice is missing")
+    body = verify_response(jws, signing_key_pin)
+    if body.get("kind") != NOTICE_KIND:
+        raise WireError("not a revocation notice")
+    serial, at, reason = body.get("serial"), body.get("revoked_at"), body.get("reason")
+    if body.get("node_id") != node_id:
+        raise WireError("the revocation notice names another node")
+    if not isinstance(serial, str) or serial.lower() not in {s.lower() for s in serials}:
+        raise WireError("the revocation notice names another certificate")
+    if not isinstance(at, int) or isinstance(at, bool) or not isinstance(reason, str):
+        raise WireError("the revocation notice is malformed")
+    return RevocationNotice(node_id, serial, printable(reason)[:MAX_NOTICE_REASON], at)
+
+
+def printable(text: str) -> str:
+    """``text`` with every control or non-ASCII character replaced by ``?``."""
+    return "".join(c if " " <= c <= "~" else "?" for c in text)

@@ -20,6 +20,7 @@ from bcd import __version__, wire
 from control import downloads, events, joinrequests, nodes, tenancy, tokens
 from control.errors import ControlError, invalid
 from control.http import Request, Response, error_response, health_response, json_response
+from control.joinservice import NoticeSigner
 from control.store import Store, Tx
 
 log = logging.getLogger("control.api")
@@ -40,6 +41,13 @@ class App:
     """``serve --downloads DIR``: the bcd artifacts served under /downloads (control.downloads)."""
     ready: Callable[[], Awaitable[tuple[bool, str]]] | None = None
     """``GET /readyz``: whether this replica can do its job now (the database answers)."""
+    sign_notice: NoticeSigner | None = None
+    """Signs the RevocationNotice of each certificate this API revokes (the join key)."""
+
+    def _notice_signer(self) -> NoticeSigner:
+        if self.sign_notice is None:
+            raise ControlError("INVALID_CONFIG", "this API has no join-signing key to revoke with")
+        return self.sign_notice
 
     async def run(self, fn: Callable[[Tx], T]) -> T:
         def work() -> T:
@@ -269,14 +277,16 @@ class App:
         self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
     ) -> Response:
         reason = _field(body, "reason", str, "revoked")
-        result = await self.run(lambda tx: nodes.revoke_identity(tx, tenant, node_id, reason))
+        sign = self._notice_signer()
+        result = await self.run(lambda tx: nodes.revoke_identity(tx, tenant, node_id, sign, reason))
         self.on_revocation()
         return json_response(200, result)
 
     async def _r_nodes_delete(
         self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
     ) -> Response:
-        result = await self.run(lambda tx: nodes.delete_node(tx, tenant, node_id))
+        sign = self._notice_signer()
+        result = await self.run(lambda tx: nodes.delete_node(tx, tenant, node_id, sign))
         self.on_revocation()
         return json_response(200, result)
 
@@ -363,4 +373,4 @@ def _error(exc: ControlError) -> Response:
     headers: list[tuple[str, str]] = []
     if exc.retry_after_ms is not None:
         headers.append(("retry-pushback-ms", str(exc.retry_after_ms)))
-    return error_response(exc.code, exc.message, headers)
+    return error_response(exc.code, exc.message, headers, details=exc.details)

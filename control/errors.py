@@ -19,11 +19,21 @@ from __future__ import annotations
 class ControlError(Exception):
     """Raised to answer a request with ``code`` and a message fit for the caller."""
 
-    def __init__(self, code: str, message: str, *, retry_after_ms: int | None = None) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        retry_after_ms: int | None = None,
+        details: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retry_after_ms = retry_after_ms
+        self.details = details or {}
+        """Fields beside code and message in the answer (the signed ``notice`` of an
+        UNAUTHENTICATED for a revoked certificate); never an exception's text."""
 
 
 def invalid(message: str) -> ControlError:

@@ -80,7 +80,7 @@ async def answering(fn: Callable[[], Awaitable[Response]]) -> Response:
         headers = []
         if exc.retry_after_ms is not None:
             headers.append(("retry-pushback-ms", str(exc.retry_after_ms)))
-        return error_response(exc.code, exc.message, headers)
+        return error_response(exc.code, exc.message, headers, details=exc.details)
 
 
 @dataclass
@@ -157,9 +157,13 @@ async def live_peer(store: Store, limiter: trio.CapacityLimiter, req: Request) -
     der = req.peer_cert_der
     if der is None:
         raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
-    peer = await _in_tx(store, limiter, lambda tx: renewal.peer_status(tx, der))
+    peer, notice = await _in_tx(store, limiter, lambda tx: renewal.peer_or_notice(tx, der))
     if peer is None:
-        raise ControlError("UNAUTHENTICATED", "this certificate is not a live node certificate")
+        raise ControlError(
+            "UNAUTHENTICATED",
+            "this certificate is not a live node certificate",
+            details={"notice": notice} if notice else None,
+        )
     return peer
 
 
@@ -333,6 +337,7 @@ class Gateway:
                         "type": "revocation",
                         "reason": row["revoke_reason"] or "revoked",
                         "serial": row["serial"],
+                        "notice": row["revoke_notice"],  # signed where it was revoked
                     }
                     try:
                         session.send.send_nowait(notice)

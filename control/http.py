@@ -148,11 +148,11 @@ def error_response(
     extra_headers: Sequence[tuple[str, str]] = (),
     *,
     status: int | None = None,
+    details: dict[str, str] | None = None,
 ) -> Response:
     """``{"code", "message"}`` with the code's status from bcd.wire.STATUS."""
-    return json_response(
-        status or STATUS.get(code, 500), {"code": code, "message": message}, extra_headers
-    )
+    body = {**(details or {}), "code": code, "message": message}
+    return json_response(status or STATUS.get(code, 500), body, extra_headers)
 
 
 def health_response(ok: bool, reason: str) -> Response:

@@ -634,7 +634,11 @@ class JoinService:
                 ),
             )
             revoke_node_certs(
-                tx, tenant, node_id, "rejoined" if admit.node_id is not None else "reclaimed"
+                tx,
+                tenant,
+                node_id,
+                "rejoined" if admit.node_id is not None else "reclaimed",
+                notice_signer(crypto.signing_key),
             )
         spiffe = pki.SpiffeId(crypto.trust_domain, admit.site_id, node_id)
         leaf, info = issue_recorded_leaf(
@@ -739,10 +743,23 @@ def _report_shared_key(tx: Tx, tenant: str, node_id: str, hardware_key: str) -> 
     )
 
 
-def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> list[str]:
+NoticeSigner = Callable[[dict[str, Any]], str]
+"""Signs a RevocationNotice body (bcd.wire.revocation_notice_body) under the join-signing key."""
+
+
+def notice_signer(signing_key: ec.EllipticCurvePrivateKey) -> NoticeSigner:
+    return lambda body: wire.sign_response(body, signing_key)
+
+
+def revoke_node_certs(
+    tx: Tx, tenant_id: str, node_id: str, reason: str, sign_notice: NoticeSigner
+) -> list[str]:
     """Revoke every live certificate of a node, with a security.certificate-revoked event each.
 
-    Returns the serials it revoked (none when every certificate already was).
+    Each revocation stores its signed RevocationNotice (``revoke_notice``), made here,
+    where the join-signing key is: the gateways push it as it is, and bcd believes
+    only a notice that verifies under its pin. Returns the serials it revoked (none
+    when every certificate already was).
     """
     rows = tx.query(
         "SELECT serial FROM node_certs WHERE node_id = ? AND revoked_at IS NULL ORDER BY serial",
@@ -750,9 +767,12 @@ def revoke_node_certs(tx: Tx, tenant_id: str, node_id: str, reason: str) -> list
     )
     tx.revoked = tx.revoked or bool(rows)
     for row in rows:
+        now_ms = tx.now_ms()
+        notice = sign_notice(wire.revocation_notice_body(node_id, row["serial"], reason, now_ms))
         tx.execute(
-            "UPDATE node_certs SET revoked_at = ?, revoke_reason = ? WHERE serial = ?",
-            (tx.now_ms(), reason, row["serial"]),
+            "UPDATE node_certs SET revoked_at = ?, revoke_reason = ?, revoke_notice = ? "
+            "WHERE serial = ?",
+            (now_ms, reason, notice, row["serial"]),
         )
         events.publish(
             tx,

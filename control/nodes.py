@@ -9,7 +9,7 @@ from typing import Any
 from control import events
 from control.errors import invalid, not_found
 from control.ids import iso
-from control.joinservice import revoke_node_certs
+from control.joinservice import NoticeSigner, revoke_node_certs
 from control.store import Row, Tx
 
 _REASON = re.compile(r"[\x20-\x7e]{1,200}")
@@ -76,7 +76,7 @@ def _lock_node(tx: Tx, tenant_id: str, node_id: str) -> Row:
 
 
 def revoke_identity(
-    tx: Tx, tenant_id: str, node_id: str, reason: str = "revoked"
+    tx: Tx, tenant_id: str, node_id: str, sign_notice: NoticeSigner, reason: str = "revoked"
 ) -> dict[str, Any]:
     """nodes.revokeIdentity: revoke every live certificate of the node.
 
@@ -90,7 +90,7 @@ def revoke_identity(
     if not isinstance(reason, str) or not _REASON.fullmatch(reason):
         raise invalid("reason must be 1 to 200 printable ASCII characters")
     _lock_node(tx, tenant_id, node_id)
-    serials = revoke_node_certs(tx, tenant_id, node_id, reason)
+    serials = revoke_node_certs(tx, tenant_id, node_id, reason, sign_notice)
     if serials:
         events.audit(
             tx,
@@ -102,7 +102,7 @@ def revoke_identity(
     return {"nodeId": node_id, "reason": reason, "revoked": serials}
 
 
-def delete_node(tx: Tx, tenant_id: str, node_id: str) -> dict[str, Any]:
+def delete_node(tx: Tx, tenant_id: str, node_id: str, sign_notice: NoticeSigner) -> dict[str, Any]:
     """Delete a node: retire it (``state`` ``retired``, ``retired_at``) and revoke its
     certificates with reason ``deleted``.
 
@@ -122,7 +122,7 @@ def delete_node(tx: Tx, tenant_id: str, node_id: str) -> dict[str, Any]:
         "updated_at = ? WHERE id = ?",
         (now_ms, now_ms, node_id),
     )
-    serials = revoke_node_certs(tx, tenant_id, node_id, "deleted")
+    serials = revoke_node_certs(tx, tenant_id, node_id, "deleted", sign_notice)
     events.audit(
         tx,
         tenant_id,

@@ -304,6 +304,17 @@ def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
     return str(row["node_id"]), str(row["serial"])
 
 
+def peer_or_notice(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | None, str | None]:
+    """:func:`peer_status`, and when the certificate is not live because it was
+    revoked, its signed RevocationNotice (for the UNAUTHENTICATED answer)."""
+    peer = peer_status(tx, peer_cert_der)
+    if peer is not None:
+        return peer, None
+    row = _cert_row(tx, peer_cert_der)
+    notice = row.get("revoke_notice") if row is not None and row["revoked_at"] else None
+    return None, str(notice) if notice else None
+
+
 def remaining_ms(tx: Tx, serial: str) -> int:
     """How long the certificate ``serial`` is still valid at ``compute_now()`` (≤ 0: not)."""
     row = tx.one("SELECT not_after FROM node_certs WHERE serial = ?", (serial,))
@@ -319,7 +330,7 @@ def revoked_since(tx: Tx, since_ms: int) -> list[Row]:
     and skip serials it already handled.
     """
     return tx.query(
-        "SELECT serial, node_id, revoke_reason, revoked_at FROM node_certs "
+        "SELECT serial, node_id, revoke_reason, revoked_at, revoke_notice FROM node_certs "
         "WHERE revoked_at IS NOT NULL AND revoked_at > ? ORDER BY revoked_at, serial",
         (since_ms,),
     )

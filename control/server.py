@@ -27,7 +27,7 @@ from control.api import App
 from control.errors import ControlError, StoreUnavailable
 from control.gateway import Gateway, NodeCalls
 from control.http import Handler, Lifecycle, Limits, Response, health_response, serve
-from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService
+from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService, notice_signer
 from control.relay import RelayClient, RelayListener
 from control.renewal import RenewService
 from control.store import Store, open_store
@@ -317,6 +317,7 @@ def _api_parts(
         on_revocation=on_revocation,
         downloads=downloads.absolute() if downloads is not None else None,
         ready=ready,
+        sign_notice=notice_signer(crypto.signing_key),
     )
     parts.handlers["api"] = (app.api, None)
     return parts

@@ -46,7 +46,7 @@ def test_revoke_identity_revokes_every_live_certificate_once(env: Env) -> None:
     renewed = env.renew(node)
     bystander = env.join(2)
     with env.store.tx() as tx:
-        got = nodes.revoke_identity(tx, env.tenant, node.node_id, "key compromised")
+        got = nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign, "key compromised")
     assert got == {
         "nodeId": node.node_id,
         "reason": "key compromised",
@@ -78,7 +78,7 @@ def test_revoke_identity_revokes_every_live_certificate_once(env: Env) -> None:
 
     # idempotent: nothing left to revoke, no event, no audit row
     with env.store.tx() as tx:
-        again = nodes.revoke_identity(tx, env.tenant, node.node_id, "key compromised")
+        again = nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign, "key compromised")
     assert again["revoked"] == []
     assert len(revoked_events(env)) == 2
     assert len(env.rows("SELECT * FROM audit WHERE action = 'node.identity-revoked'")) == 1
@@ -89,7 +89,7 @@ def test_revoked_identity_cannot_renew_and_only_a_reclaim_brings_the_machine_bac
 ) -> None:
     node = env.join(3)
     with env.store.tx() as tx:
-        nodes.revoke_identity(tx, env.tenant, node.node_id)
+        nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign)
     env.refused(env.body(node), node.der, "leaf-revoked", routed_to=ROOT, node=node)
     # a plain token is refused (reclaim); an allowReclaim token reclaims the node
     with pytest.raises(Refused):
@@ -110,10 +110,10 @@ def test_revoke_identity_of_another_tenants_node_is_not_found(env: Env) -> None:
         other, _ = tenancy.create_tenant(tx, "globex")
     for tenant in (other, env.root):
         with pytest.raises(ControlError) as info, env.store.tx() as tx:
-            nodes.revoke_identity(tx, tenant, node.node_id)
+            nodes.revoke_identity(tx, tenant, node.node_id, env.sign)
         assert info.value.code == "NOT_FOUND"
     with pytest.raises(ControlError) as info, env.store.tx() as tx:
-        nodes.revoke_identity(tx, env.tenant, "node_" + "0" * 26)
+        nodes.revoke_identity(tx, env.tenant, "node_" + "0" * 26, env.sign)
     assert info.value.code == "NOT_FOUND"
     assert revoked_events(env) == []
 
@@ -122,7 +122,7 @@ def test_revoke_identity_of_another_tenants_node_is_not_found(env: Env) -> None:
 def test_revoke_identity_reason_is_short_printable_text(env: Env, reason: str) -> None:
     node = env.join(5)
     with pytest.raises(ControlError) as info, env.store.tx() as tx:
-        nodes.revoke_identity(tx, env.tenant, node.node_id, reason)
+        nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign, reason)
     assert info.value.code == "INVALID_ARGUMENT"
 
 
@@ -135,7 +135,7 @@ def test_delete_retires_revokes_and_lets_the_machine_join_again_as_a_new_node(
     node = env.join(6)
     renewed = env.renew(node)
     with env.store.tx() as tx:
-        got = nodes.delete_node(tx, env.tenant, node.node_id)
+        got = nodes.delete_node(tx, env.tenant, node.node_id, env.sign)
     assert got == {
         "nodeId": node.node_id,
         "state": "retired",
@@ -178,7 +178,7 @@ def test_delete_retires_revokes_and_lets_the_machine_join_again_as_a_new_node(
 
     # deleting again changes nothing
     with env.store.tx() as tx:
-        again = nodes.delete_node(tx, env.tenant, node.node_id)
+        again = nodes.delete_node(tx, env.tenant, node.node_id, env.sign)
     assert again == {"nodeId": node.node_id, "state": "retired", "revoked": []}
     assert len(revoked_events(env)) == 2
     assert len(env.rows("SELECT * FROM audit WHERE action = 'node.deleted'")) == 1
@@ -187,7 +187,7 @@ def test_delete_retires_revokes_and_lets_the_machine_join_again_as_a_new_node(
 def test_a_deleted_node_is_never_reclaimed(env: Env) -> None:
     node = env.join(7)
     with env.store.tx() as tx:
-        nodes.delete_node(tx, env.tenant, node.node_id)
+        nodes.delete_node(tx, env.tenant, node.node_id, env.sign)
     fresh = env.join(7, allow_reclaim=True)
     assert fresh.node_id != node.node_id
     attempt = join_body(
@@ -206,7 +206,7 @@ def test_delete_of_another_tenants_node_is_not_found(env: Env) -> None:
     with env.store.tx() as tx:
         other, _ = tenancy.create_tenant(tx, "globex")
     with pytest.raises(ControlError) as info, env.store.tx() as tx:
-        nodes.delete_node(tx, other, node.node_id)
+        nodes.delete_node(tx, other, node.node_id, env.sign)
     assert info.value.code == "NOT_FOUND"
     (row,) = env.rows("SELECT state, retired_at FROM nodes")
     assert row["retired_at"] is None
@@ -239,6 +239,7 @@ async def test_api_revoke_identity_and_delete(env: Env) -> None:
         gateway=None,
         limiter=trio.CapacityLimiter(4),
         on_revocation=lambda: pokes.append(True),
+        sign_notice=env.sign,
     )
     node = await trio.to_thread.run_sync(env.join, 9)
     with env.store.tx() as tx:

@@ -28,7 +28,13 @@ from bcd import wire
 from bcd.plugins import load_plugins
 from control import events, nodes, tenancy, tokens
 from control.errors import ControlError
-from control.joinservice import JoinCrypto, JoinService, issue_recorded_leaf
+from control.joinservice import (
+    JoinCrypto,
+    JoinService,
+    NoticeSigner,
+    issue_recorded_leaf,
+    notice_signer,
+)
 from control.pki import Pki
 from control.renewal import (
     RENEWALS_PER_HOUR,
@@ -92,6 +98,11 @@ class Env:
     pool: str
     tenant_credential: str = ""
     root_credential: str = ""
+
+    @property
+    def sign(self) -> NoticeSigner:
+        """Signs RevocationNotices as the API does (the join-signing key)."""
+        return notice_signer(self.pki.join_signing_key)
 
     @property
     def pin(self) -> str:
@@ -420,7 +431,7 @@ def test_refused_leaf_unknown_for_a_chain_that_does_not_parse(env: Env, chain: s
 def test_refused_leaf_revoked(env: Env) -> None:
     node = env.join(14)
     with env.store.tx() as tx:
-        nodes.revoke_identity(tx, env.tenant, node.node_id)
+        nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign)
     env.refused(env.body(node), node.der, "leaf-revoked", routed_to=ROOT, node=node)
 
 
@@ -778,7 +789,7 @@ def test_peer_status_names_a_live_node_certificate_only(env: Env) -> None:
     with env.store.tx() as tx:
         assert peer_status(tx, node.der) is None
     with env.store.tx() as tx:
-        nodes.revoke_identity(tx, env.tenant, other.node_id)
+        nodes.revoke_identity(tx, env.tenant, other.node_id, env.sign)
         assert peer_status(tx, other.der) is None
 
 
@@ -796,7 +807,7 @@ def test_revoked_since_lists_revocations_after_a_time(env: Env) -> None:
     start = env.now_ms() - 1
     with env.store.tx() as tx:
         assert revoked_since(tx, start) == []
-        nodes.revoke_identity(tx, env.tenant, a.node_id, "key compromised")
+        nodes.revoke_identity(tx, env.tenant, a.node_id, env.sign, "key compromised")
     with env.store.tx() as tx:
         got = revoked_since(tx, start)
     assert {r["serial"] for r in got} == {a.serial, renewed_a.serial}
@@ -806,7 +817,7 @@ def test_revoked_since_lists_revocations_after_a_time(env: Env) -> None:
         assert r["revoked_at"] > start
     with env.store.tx() as tx:
         assert revoked_since(tx, max(r["revoked_at"] for r in got)) == []
-        nodes.delete_node(tx, env.tenant, b.node_id)
+        nodes.delete_node(tx, env.tenant, b.node_id, env.sign)
     with env.store.tx() as tx:
         later = revoked_since(tx, start)
     assert [r["serial"] for r in later if r["node_id"] == b.node_id] == [b.serial]
