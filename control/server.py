@@ -297,7 +297,9 @@ def _api_parts(
     if role == "all":
         gateway = Gateway(store, calls.handle, limiter, ready=ready)
         node_ca_pem = loaded.chain_tail_pem()
-        ssl_ctx = pki.server_ssl_context(chain_pem, gw_key, client_ca_pem=node_ca_pem)
+        ssl_ctx = pki.server_ssl_context(
+            chain_pem, gw_key, client_ca_pem=node_ca_pem, client_time_in_app=True
+        )
         parts.handlers["gateway"] = (gateway.handle, ssl_ctx)
         parts.gateway = gateway
         on_revocation = gateway.poke
@@ -342,7 +344,10 @@ def _gateway_parts(db_url: str, gateway_dir: Path, api_upstreams: Sequence[str])
     _check_schema(store)
     gateway = Gateway(store, relay_client.forward, limiter, ready=ready)
     ssl_ctx = pki.server_ssl_context(
-        bundle.serving_chain_pem, bundle.serving_key, client_ca_pem=bundle.node_ca_pem
+        bundle.serving_chain_pem,
+        bundle.serving_key,
+        client_ca_pem=bundle.node_ca_pem,
+        client_time_in_app=True,
     )
     parts = _Parts("gateway", store, limiter, gateway=gateway, relay_client=relay_client)
     parts.readiness = ready
