@@ -117,11 +117,12 @@ def cmd_pki_issue_gateway(args: argparse.Namespace) -> int:
 def cmd_pki_pins(args: argparse.Namespace) -> int:
     from control import pki
 
+    directory = _home(args) / "pki"
     try:
-        loaded = pki.load_pki(_home(args) / "pki", _secret())
+        found = pki.public_pins(directory)  # public values: no secret needed
+        pins = found if found is not None else pki.load_pki(directory, _secret()).pins()
     except pki.PkiSetupError as exc:
         raise ControlError("INVALID_CONFIG", str(exc)) from exc
-    pins = loaded.pins()
     if args.json:
         print(json.dumps(pins, indent=2))
     else:

@@ -9,6 +9,7 @@ only through :mod:`bcd.fs`. The PKI directory (0700) holds::
     command-signing-root.crt/.key  command-signing root, 10 years (the trust bundle)
     join-signing.crt/.key          JoinService signing key, in a self-signed certificate
     join-encryption.key            JoinService encryption key (sealed join tokens)
+    join-encryption.pub            its public key (PEM), so the pins need no secret
     pki.json                       {trust_domain, trust_version, created}, written last
     gateway-<san>.crt/.key         gateway serving chain and key (pki issue-gateway)
 
@@ -37,6 +38,7 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.hazmat.primitives.serialization import pkcs12
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from bcd import fs
@@ -58,6 +60,7 @@ _STEMS = ("node-root-ca", "node-ca", "serving-ca", "command-signing-root", "join
 PKI_FILES = (
     *(f"{stem}.{ext}" for stem in _STEMS for ext in ("key", "crt")),
     "join-encryption.key",
+    "join-encryption.pub",
     PKI_JSON,
 )
 
@@ -374,12 +377,61 @@ def make_gateway_cert(
 # --- files ------------------------------------------------------------------------
 
 
+KDF_ROUNDS = 600_000
+"""PBKDF2-HMAC-SHA256 iterations for each key file: OWASP's figure for that KDF (2023).
+cryptography's PKCS#8 writer fixes its own (2,048); its PKCS#12 writer takes ours."""
+LEGACY_PEM = b"-----BEGIN ENCRYPTED PRIVATE KEY-----"
+
+
 def _key_bytes(key: ec.EllipticCurvePrivateKey, secret: bytes) -> bytes:
-    return key.private_bytes(
-        serialization.Encoding.PEM,
-        serialization.PrivateFormat.PKCS8,
-        serialization.BestAvailableEncryption(secret),
+    """A key file: PKCS#12 (DER), the key under PBES2 with PBKDF2-HMAC-SHA256 at
+    KDF_ROUNDS iterations and AES-256-CBC, and its MAC at the same cost."""
+    encryption = (
+        serialization.PrivateFormat.PKCS12.encryption_builder()
+        .kdf_rounds(KDF_ROUNDS)
+        .key_cert_algorithm(pkcs12.PBES.PBESv2SHA256AndAES256CBC)
+        .hmac_hash(hashes.SHA256())
+        .build(secret)
     )
+    return pkcs12.serialize_key_and_certificates(b"better-compute", key, None, None, encryption)
+
+
+def _public_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.public_key().public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    )
+
+
+def public_pins(directory: Path) -> dict[str, str] | None:
+    """The three pins from the PKI's public files alone (no secret), or None for a PKI
+    made before join-encryption.pub existed (then :func:`load_pki` gives them)."""
+    pub = directory / "join-encryption.pub"
+    if not pub.exists():
+        return None
+    try:
+        encryption = serialization.load_pem_public_key(_read(pub, directory))
+    except ValueError:
+        raise PkiSetupError(
+            f"the PKI in {directory} is damaged: {pub.name} does not parse"
+        ) from None
+    if not isinstance(encryption, ec.EllipticCurvePublicKey):
+        raise PkiSetupError(f"the PKI in {directory} is damaged: {pub.name} is not P-256")
+    serving = _load_cert(directory / "serving-ca.crt", directory)
+    signing = _load_cert(directory / "join-signing.crt", directory)
+    return {
+        "serving_ca_spki_pin": spki_pin(_require_p256(serving.public_key())),
+        "join_signing_key_pin": spki_pin(_require_p256(signing.public_key())),
+        "join_encryption_key_pin": spki_pin(_require_p256(encryption)),
+    }
+
+
+def _decrypt_key(data: bytes, secret: bytes) -> object:
+    """A key file of either form: PKCS#12 (written since issue 11) or the PKCS#8 PEM of
+    earlier PKIs (PBKDF2 at 2,048 iterations), still read."""
+    if data.lstrip().startswith(LEGACY_PEM):
+        return serialization.load_pem_private_key(data, password=secret)
+    key, _cert, _extra = pkcs12.load_key_and_certificates(data, secret)
+    return key
 
 
 def _check_secret(secret: bytes) -> None:
@@ -431,6 +483,7 @@ def init_pki(directory: Path, trust_domain: str, secret: bytes, now: datetime) -
         files.append((f"{stem}.key", _key_bytes(key, secret), 0o600))
         files.append((f"{stem}.crt", cert_pem(cert).encode(), 0o644))
     files.append(("join-encryption.key", _key_bytes(pki.join_encryption_key, secret), 0o600))
+    files.append(("join-encryption.pub", _public_pem(pki.join_encryption_key), 0o644))
     created = pki.created.strftime("%Y-%m-%dT%H:%M:%SZ")
     meta = {"trust_domain": pki.trust_domain, "trust_version": 1, "created": created}
     files.append((PKI_JSON, (json.dumps(meta, indent=2) + "\n").encode(), 0o644))  # last
@@ -479,10 +532,10 @@ def _load_cert(path: Path, directory: Path) -> x509.Certificate:
 
 def _load_key(path: Path, directory: Path, secret: bytes, what: str) -> ec.EllipticCurvePrivateKey:
     data = _read(path, directory)
-    if b"-----BEGIN ENCRYPTED PRIVATE KEY-----" not in data:
+    if b"-----BEGIN" in data and not data.lstrip().startswith(LEGACY_PEM):
         raise PkiSetupError(f"{path.name} in {directory} is not an encrypted private key")
     try:
-        key = serialization.load_pem_private_key(data, password=secret)
+        key = _decrypt_key(data, secret)
     except (ValueError, TypeError):
         raise PkiSetupError(
             f"BETTER_COMPUTE_SECRET does not decrypt {what} in {directory}"
@@ -531,6 +584,13 @@ def load_pki(directory: Path, secret: bytes) -> Pki:
         raise PkiSetupError(f"the PKI in {directory} is damaged: bad {PKI_JSON}")
     pairs = [_pair(directory, stem, secret) for stem in _STEMS]  # in Pki's field order
     encryption_key = _load_key(directory / "join-encryption.key", directory, secret, "the PKI")
+    found = public_pins(directory)
+    if found is not None and found["join_encryption_key_pin"] != spki_pin(
+        encryption_key.public_key()
+    ):
+        raise PkiSetupError(
+            f"the PKI in {directory} is damaged: join-encryption.pub is not join-encryption.key's"
+        )
     certs, keys = [c for c, _ in pairs], [k for _, k in pairs]
     return _assemble(trust_domain, trust_version, created, certs, [*keys, encryption_key])
 
@@ -550,7 +610,9 @@ def rotate_join_encryption_key(directory: Path, secret: bytes, now: datetime) ->
     retired = directory / f"join-encryption.key.retired-{int(_utc(now).timestamp())}"
     try:
         fs.create_new(retired, current.read_bytes(), 0o600)
-        fs.atomic_write(current, _key_bytes(generate_key(), secret), 0o600)
+        new_key = generate_key()
+        fs.atomic_write(current, _key_bytes(new_key, secret), 0o600)
+        fs.atomic_write(directory / "join-encryption.pub", _public_pem(new_key), 0o644)
     except FileExistsError:
         raise PkiSetupError(f"{retired.name} exists; rotate again in a second") from None
     except OSError as exc:

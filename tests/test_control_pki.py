@@ -80,8 +80,10 @@ def test_init_writes_every_file_with_its_mode(pki_dir: Path) -> None:
     for name in cpki.PKI_FILES:
         mode = stat.S_IMODE((pki_dir / name).stat().st_mode)
         assert mode == (0o600 if name.endswith(".key") else 0o644), name
-        if name.endswith(".key"):
-            assert (pki_dir / name).read_bytes().startswith(b"-----BEGIN ENCRYPTED PRIVATE KEY")
+        if name.endswith(".key"):  # PKCS#12, PBKDF2-HMAC-SHA256 at 600,000 iterations
+            data = (pki_dir / name).read_bytes()
+            assert data[:1] == b"\x30"
+            assert b"PRIVATE KEY" not in data
     meta = json.loads((pki_dir / "pki.json").read_text())
     assert meta["trust_domain"] == TD
     assert meta["trust_version"] == 1
@@ -167,8 +169,9 @@ def test_load_with_the_wrong_secret(pki_dir: Path) -> None:
     assert "wrong secret" not in message
     for name in cpki.PKI_FILES:
         if name.endswith(".key"):
-            body = (pki_dir / name).read_text().splitlines()[1]
-            assert body not in message
+            body = (pki_dir / name).read_bytes()[-32:]
+            assert body.hex() not in message
+            assert body.decode("latin-1") not in message
 
 
 def test_load_detects_a_swapped_key(tmp_path: Path) -> None:
@@ -546,3 +549,22 @@ def test_server_ssl_context_rejects_a_mismatched_key(pki: cpki.Pki) -> None:
     with pytest.raises(cpki.PkiSetupError, match="do not load"):
         cpki.server_ssl_context(chain_pem, bpki.generate_key())
     assert _fds() == before
+
+
+def test_a_key_file_of_an_earlier_pki_still_loads(pki_dir: Path) -> None:
+    """PKIs made before issue 11 hold PKCS#8 PEM keys (PBKDF2 at 2,048 iterations)."""
+    from cryptography.hazmat.primitives import serialization
+
+    loaded = cpki.load_pki(pki_dir, SECRET)
+    legacy = loaded.node_ca_key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.BestAvailableEncryption(SECRET),
+    )
+    (pki_dir / "node-ca.key").write_bytes(legacy)
+    again = cpki.load_pki(pki_dir, SECRET)
+    assert again.node_ca_key.private_numbers() == loaded.node_ca_key.private_numbers()
+
+
+def test_the_pins_need_no_secret(pki_dir: Path) -> None:
+    assert cpki.public_pins(pki_dir) == cpki.load_pki(pki_dir, SECRET).pins()
