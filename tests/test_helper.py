@@ -5,6 +5,7 @@ real Unix socket, the node's checks against a helper that answers wrong, and
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -21,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -30,7 +32,7 @@ from hypothesis import strategies as st
 from tpm2_pytss import ESAPI, TPM2B_PUBLIC, TPM2B_SENSITIVE_CREATE, TPMT_PUBLIC
 from tpm2_pytss.constants import ESYS_TR, TPM2_CAP, TPM2_HC
 
-from bcd import pki
+from bcd import pki, wire
 from bcd.config import TpmMode, parse_config
 from bcd.errors import BcdError
 from bcd.helper import HelperError, HelperKeyMismatch
@@ -921,3 +923,46 @@ def test_run_helper_without_a_helper_table_or_user(
     text = _config_text(swtpm, sockdir / "h.sock").replace('"nobody"', '"no-such-user-x"')
     assert run_helper(parse_config(text, path)) == 1
     assert "no user named 'no-such-user-x'" in capsys.readouterr().err
+
+
+# --- root's join record -------------------------------------------------------------
+
+
+def _record_of(memory_pki: Any, node_id: str, tmp: Path) -> Path:
+    from bcd.identity import JOIN_RECORD_FILE
+
+    signed = wire.sign_response({"kind": "joined", "node_id": node_id}, memory_pki.join_signing_key)
+    tmp.mkdir(mode=0o700, exist_ok=True)
+    (tmp / JOIN_RECORD_FILE).write_text(signed)
+    (tmp / JOIN_RECORD_FILE).chmod(0o600)
+    return tmp / JOIN_RECORD_FILE
+
+
+def test_the_helper_reads_root_s_join_record(memory_pki: Any, tmp_path: Path) -> None:
+    from bcd.helper.server import read_join_record
+
+    pin = memory_pki.pins()["join_signing_key_pin"]
+    assert read_join_record(tmp_path / "none", pin) == ""  # not joined as root yet
+    node = "node_" + "a" * 26
+    path = _record_of(memory_pki, node, tmp_path / "hc")
+    assert read_join_record(path.parent, pin) == node
+    other_pin = pki.spki_pin(ec.generate_private_key(ec.SECP256R1()).public_key())
+    with pytest.raises(HelperError, match="does not verify under join_signing_key_pin"):
+        read_join_record(path.parent, other_pin)
+    forged = wire.sign_response({"kind": "joined", "node_id": node}, pki.generate_key())
+    path.write_text(forged)
+    with pytest.raises(HelperError, match="does not verify"):
+        read_join_record(path.parent, pin)
+    _record_of(memory_pki, node, tmp_path / "hc")
+    path.chmod(0o666)
+    with pytest.raises(HelperError, match="writable only by root"):
+        read_join_record(path.parent, pin)
+
+
+async def test_the_helper_tells_which_node_it_serves(swtpm: SwTpm, tmp_path: Path) -> None:
+    node = "node_" + "b" * 26
+    settings = dataclasses.replace(_settings(swtpm, tmp_path), node_id=node)
+    async with running(settings) as client:
+        assert await client.served_node() == node
+    async with running(_settings(swtpm, tmp_path)) as client:
+        assert await client.served_node() == ""

@@ -38,6 +38,8 @@ from bcd.helper.protocol import (
     CertifyCall,
     CertifyResult,
     ErrorAnswer,
+    InfoCall,
+    InfoResult,
     LineBuffer,
     NodeKeyCall,
     NodeKeyResult,
@@ -112,7 +114,9 @@ class HelperClient:
             verify_p1363_digest(key.public_key, result.signature, digest, "the signature")
         except TpmError as exc:
             raise _failed(
-                "tpm.sign", f"the signature does not verify against the node key ({exc})"
+                "tpm.sign",
+                f"the signature does not verify against the node key ({exc}): "
+                "the helper's signature is not the node key's",
             ) from exc
         return result.signature
 
@@ -153,13 +157,24 @@ class HelperClient:
         except TpmError as exc:
             raise _failed(
                 "tpm.certify",
-                f"the certification does not verify against the AK the helper announced ({exc})",
+                f"the certification does not verify against the AK the helper announced ({exc})"
+                + (
+                    "; the helper certified with another AK" if "AK's signature" in str(exc) else ""
+                ),
             ) from exc
         return Certification(result.attest, result.signature, ak)
 
     async def release(self, record: NodeKeyRecord) -> None:
         """Tell the helper the key is no longer used."""
         await self._call(ReleaseCall(record), ReleaseResult)
+
+    async def served_node(self) -> str:
+        """The node id of the helper's root join record ("" when it has none)."""
+        result = await self._call(InfoCall(), InfoResult)
+        try:
+            return result.node_id.decode("ascii")
+        except UnicodeDecodeError as exc:
+            raise _failed("helper.info", "the node id is not ASCII") from exc
 
     # --- the exchange -----------------------------------------------------------------
 

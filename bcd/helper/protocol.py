@@ -107,8 +107,17 @@ class ReleaseCall:
     method: str = "tpm.release"
 
 
-Call = NodeKeyCall | SignCall | AkCall | CertifyCall | ReleaseCall
-METHODS: Final = ("tpm.nodekey", "tpm.sign", "tpm.ak", "tpm.certify", "tpm.release")
+@dataclass(frozen=True, slots=True)
+class InfoCall:
+    """``helper.info``: the node this helper serves (from root's join record)."""
+
+    method: str = "helper.info"
+
+
+Call = NodeKeyCall | SignCall | AkCall | CertifyCall | ReleaseCall | InfoCall
+METHODS: Final = (
+    "tpm.nodekey", "tpm.sign", "tpm.ak", "tpm.certify", "tpm.release", "helper.info",
+)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +129,7 @@ class Request:
 def encode_request(request_id: int, call: Call) -> bytes:
     """One request line (with its newline)."""
     params: dict[str, Any] = {}
-    if not isinstance(call, AkCall):
+    if not isinstance(call, AkCall | InfoCall):
         params["record"] = call.record.to_dict()
     if isinstance(call, SignCall):
         params["digest"] = b64(call.digest)
@@ -157,6 +166,9 @@ def _parse_call(method: str, params: dict[str, Any]) -> Call:
     if method == "tpm.ak":
         _keys(params, set(), method)
         return AkCall()
+    if method == "helper.info":
+        _keys(params, set(), method)
+        return InfoCall()
     if method in ("tpm.nodekey", "tpm.release"):
         _keys(params, {"record"}, method)
         record = _record(params["record"])
@@ -222,7 +234,13 @@ class ReleaseResult:
     pass
 
 
-Result = NodeKeyResult | SignResult | AkResult | CertifyResult | ReleaseResult
+@dataclass(frozen=True, slots=True)
+class InfoResult:
+    node_id: bytes
+    """ASCII; empty when the helper has no join record to serve."""
+
+
+Result = NodeKeyResult | SignResult | AkResult | CertifyResult | ReleaseResult | InfoResult
 
 _RESULT_FIELDS: dict[str, tuple[type[Result], tuple[tuple[str, str], ...]]] = {
     # method: (result type, ((JSON name, attribute), ...))
@@ -231,6 +249,7 @@ _RESULT_FIELDS: dict[str, tuple[type[Result], tuple[tuple[str, str], ...]]] = {
     "tpm.ak": (AkResult, (("public", "public_area"), ("name", "name"))),
     "tpm.certify": (CertifyResult, (("attest", "attest"), ("signature", "signature"))),
     "tpm.release": (ReleaseResult, ()),
+    "helper.info": (InfoResult, (("node", "node_id"),)),
 }
 _METHOD_OF_RESULT = {kind: method for method, (kind, _) in _RESULT_FIELDS.items()}
 

@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import pwd
+import re
 import secrets
 import signal
 import socket
@@ -41,7 +42,7 @@ from typing import TypeVar
 
 import trio
 
-from bcd import systemd
+from bcd import systemd, wire
 from bcd.config import Config, TpmMode
 from bcd.errors import BcdError
 from bcd.helper import HelperError
@@ -57,6 +58,8 @@ from bcd.helper.protocol import (
     AkResult,
     CertifyCall,
     CertifyResult,
+    InfoCall,
+    InfoResult,
     LineBuffer,
     NodeKeyCall,
     NodeKeyResult,
@@ -70,6 +73,7 @@ from bcd.helper.protocol import (
     encode_result,
     parse_request,
 )
+from bcd.identity import JOIN_RECORD_FILE
 from bcd.pki import spki_der
 from bcd.tpm import TpmError, TpmKeyMismatch
 from bcd.tpm.ak import ak_public, certify
@@ -98,6 +102,50 @@ class HelperSettings:
     socket_gid: int
     tcti: str
     tpm_mode: TpmMode = "required"
+    node_id: str = ""
+
+
+MAX_JOIN_RECORD = 64 * 1024
+NODE_ID = re.compile(r"node_[0-9a-z]{26}")
+
+
+def read_join_record(hostconfig_dir: Path, signing_key_pin: str) -> str:
+    """The node id of root's join record (``join-response.jws``), verified under the pin.
+
+    "" when there is none yet (bcd join has not run as root). A record that is not a
+    root-owned regular file, that others can write, or whose signature or body does
+    not verify stops the helper: it must not serve keys for a node it cannot name.
+    """
+    path = hostconfig_dir / JOIN_RECORD_FILE
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        return ""
+    except OSError as exc:
+        raise HelperError(f"cannot read root's join record {path}: {exc.strerror}") from exc
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode) or info.st_uid != 0 or info.st_mode & 0o022:
+            raise HelperError(
+                f"root's join record {path} is not a regular file owned by root and "
+                "writable only by root; run bcd join again as root"
+            )
+        data = f.read(MAX_JOIN_RECORD + 1)
+    try:
+        if len(data) > MAX_JOIN_RECORD:
+            raise wire.WireError("too large")
+        body = wire.verify_response(data.decode("ascii").strip(), signing_key_pin)
+        node_id = body.get("node_id")
+        if body.get("kind") not in ("joined", "renewed") or not isinstance(node_id, str):
+            raise wire.WireError("not a join answer")
+        if not NODE_ID.fullmatch(node_id):
+            raise wire.WireError("not a node id")
+    except (wire.WireError, UnicodeDecodeError, ValueError) as exc:
+        raise HelperError(
+            f"root's join record {path} does not verify under join_signing_key_pin; "
+            "run bcd join again as root"
+        ) from exc
+    return node_id
 
 
 def settings_from_config(cfg: Config) -> HelperSettings:
@@ -118,6 +166,7 @@ def settings_from_config(cfg: Config) -> HelperSettings:
         socket_gid=user.pw_gid,
         tcti=cfg.tpm.tcti,
         tpm_mode=cfg.tpm.mode,
+        node_id=read_join_record(cfg.helper.hostconfig_dir, cfg.join_signing_key_pin),
     )
 
 
@@ -131,10 +180,12 @@ class TpmService:
     why); every TPM method is then answered ``no-tpm``.
     """
 
-    def __init__(self, tpm: Tpm | None, unavailable: str = "") -> None:
+    def __init__(self, tpm: Tpm | None, unavailable: str = "", node_id: str = "") -> None:
         self._tpm = tpm
         self._unavailable = unavailable
         self._lock = trio.Lock()
+        self.node_id = node_id
+        """The node of root's join record ("" without one), which ``helper.info`` tells."""
 
     async def _run(self, fn: Callable[[Tpm], T]) -> T:
         tpm = self._tpm
@@ -157,6 +208,8 @@ class TpmService:
                 lambda t: certify(t, call.record, call.qualifying_data)
             )
             return CertifyResult(attest, signature)
+        if isinstance(call, InfoCall):
+            return InfoResult(self.node_id.encode("ascii"))
         # tpm.release: nothing is cached (every handle is flushed when its call ends),
         # so there is nothing to forget; the record was validated when it parsed.
         if self._tpm is None:
@@ -353,14 +406,16 @@ def _open(tcti: str) -> tuple[contextlib.ExitStack, Tpm]:
 async def _open_service(settings: HelperSettings, stack: contextlib.AsyncExitStack) -> TpmService:
     if settings.tpm_mode == "off":
         log.info("the TPM is off in config.toml; TPM calls are refused")
-        return TpmService(None, "the TPM is off in config.toml ([tpm] mode = off)")
+        return TpmService(
+            None, "the TPM is off in config.toml ([tpm] mode = off)", settings.node_id
+        )
     try:
         tpm_stack, tpm = await trio.to_thread.run_sync(_open, settings.tcti)
     except TpmError as exc:
         if settings.tpm_mode == "required":
             raise HelperError(f"the TPM is required but cannot be used: {exc}") from exc
         log.warning("no usable TPM (%s); TPM calls are refused", exc)
-        return TpmService(None, f"this machine's TPM cannot be used: {exc}")
+        return TpmService(None, f"this machine's TPM cannot be used: {exc}", settings.node_id)
 
     async def close_tpm() -> None:
         with trio.CancelScope(shield=True):  # the helper stops by being cancelled
@@ -368,7 +423,7 @@ async def _open_service(settings: HelperSettings, stack: contextlib.AsyncExitSta
 
     stack.push_async_callback(close_tpm)
     log.info("opened the TPM at %s (leftover handles flushed)", settings.tcti)
-    return TpmService(tpm)
+    return TpmService(tpm, node_id=settings.node_id)
 
 
 async def serve_helper(
@@ -387,7 +442,13 @@ async def serve_helper(
         listener = trio.SocketListener(sock)
         stack.push_async_callback(listener.aclose)
         server = HelperServer(service, settings.allowed_uids)
-        log.info("serving at %s", settings.socket)
+        if settings.node_id:
+            log.info(
+                "serving node %s (root's join record) at %s", settings.node_id, settings.socket
+            )
+        else:
+            log.warning("no join record yet (bcd join as root writes it); serving at %s",
+                        settings.socket)  # fmt: skip
         async with trio.open_nursery() as nursery:
             await nursery.start(trio.serve_listeners, server.handle, [listener])
             task_status.started(settings.socket)
