@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -513,6 +514,7 @@ def parse_error(data: bytes) -> ErrorBody | None:
     return None
 
 
+MAX_PUSHBACK_MS = 300_000
 _PUSHBACK = re.compile(r"[0-9]{1,9}")
 
 
@@ -537,7 +539,9 @@ NOTICE_KIND = "revocation"
 MAX_NOTICE_REASON = 200
 
 
-def revocation_notice_body(node_id: str, serial: str, reason: str, revoked_at_ms: int) -> dict[str, Any]:
+def revocation_notice_body(
+    node_id: str, serial: str, reason: str, revoked_at_ms: int
+) -> dict[str, Any]:
     """What JoinService signs when it revokes a certificate (a SignedResponse body)."""
     return {
         "kind": NOTICE_KIND,
