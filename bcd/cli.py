@@ -1,8 +1,14 @@
 """``bcd``: join | doctor | version.
 
 Exit codes: 0 success, 1 a failure or refusal, 2 a usage error (and ``bcd join
---reset`` without ``--yes``). Known errors print one line with the way back; nothing
-the operator typed after ``bcd join`` is ever echoed, since it may be a token.
+--reset`` without ``--yes``). Known errors print one line with the way back.
+
+The command line never leaks a token: options are never abbreviated (``--token``
+is not ``--token-file``); an unknown option is named without its value; a
+positional argument is never echoed; argparse's own complaints are reworded so a
+value that may be a secret (:func:`bcd.credential.may_be_secret`) is never shown;
+and any option whose value looks like a join token or another secret is refused
+before anything runs, naming the option only.
 """
 
 from __future__ import annotations
@@ -18,17 +24,35 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
 
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import __version__, doctor, fs, pki, systemd, wire
-from bcd.config import Config, join_encryption_jwk_path, load_config, parse_config, render_config
-from bcd.credential import Credential, read_stdin, read_token_file, remove_credential_files
+from bcd.config import (
+    Config,
+    join_encryption_jwk_path,
+    load_config,
+    parse_config,
+    render_config,
+    trusted_owners,
+)
+from bcd.credential import (
+    Credential,
+    looks_like_token,
+    may_be_secret,
+    read_stdin,
+    read_stdin_if_any,
+    read_token_file,
+    remove_credential_files,
+    shown,
+    stdin_holds_data,
+)
 from bcd.errors import (
     BcdError,
     ConfigError,
+    CredentialError,
     JoinError,
     UsageError,
     describe_os_error,
@@ -38,6 +62,7 @@ from bcd.hardware import read_claims
 from bcd.httpclient import fetch_url
 from bcd.identity import (
     apply_reset,
+    check_data_dir,
     hand_over,
     load_state,
     persist_join,
@@ -57,13 +82,94 @@ WELL_KNOWN = "/.well-known/better-compute"
 BASE_PATH = "/api/compute"
 
 
+class _ParseProblem(Exception):
+    """argparse's complaint, raised instead of printed so :func:`parse_args` words it."""
+
+
 class _Parser(argparse.ArgumentParser):
+    """No abbreviations (``--token`` never means ``--token-file``), no printed errors."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("exit_on_error", False)
+        super().__init__(*args, **kwargs)
+
     def error(self, message: str) -> NoReturn:
-        # argparse quotes offending values; a value after `bcd join` may be a token.
-        if self.prog.endswith(" join"):
-            message = "invalid arguments (not echoed: they may hold a secret); see bcd join --help"
-        self.print_usage(sys.stderr)
-        self.exit(2, f"bcd: usage: {message}\n")
+        raise _ParseProblem(message)
+
+
+NOT_ECHOED = "not echoed: it may be a secret"
+POSITIONAL_JOIN = (
+    "bcd join takes no positional argument and never reads a token from the command line "
+    "(nothing was echoed); pass it on standard input or with --token-file"
+)
+PIN_DESTS = ("serving_ca_pin", "join_signing_pin", "join_encryption_pin")
+
+
+def _command(argv: Sequence[str]) -> str:
+    first = argv[0] if argv else ""
+    return first if first in ("join", "doctor", "node", "helper", "vouch", "version") else ""
+
+
+def _help_hint(command: str) -> str:
+    return f"see bcd {command} --help" if command else "see bcd --help"
+
+
+def _unknown_arguments(command: str, extra: Sequence[str]) -> str:
+    """The message for what argparse did not recognise: the first unknown option by
+    name (never its value), else the positional arguments, never echoed."""
+    for item in extra:
+        if item == "--" or not item.startswith("-") or item == "-":
+            continue
+        option = item.split("=", 1)[0]
+        if may_be_secret(option):
+            return f"an unknown option ({NOT_ECHOED}); {_help_hint(command)}"
+        return f"unknown option {shown(option)}; {_help_hint(command)}"
+    if command == "join":
+        return POSITIONAL_JOIN
+    where = f"bcd {command}" if command else "bcd"
+    return f"{where} takes no positional argument (nothing was echoed); {_help_hint(command)}"
+
+
+def _refuse_secret_values(args: argparse.Namespace) -> None:
+    """Refuse any option whose value may be a secret, naming the option only.
+
+    The three pins are high-entropy public values: for them only a bearer prefix
+    (``bcjt_``, ``bcak_``) counts; their own check never echoes them.
+    """
+    for dest, value in sorted(vars(args).items()):
+        if dest == "command" or not isinstance(value, str):
+            continue
+        risky = looks_like_token(value) if dest in PIN_DESTS else may_be_secret(value)
+        if risky:
+            flag = "--" + dest.replace("_", "-")
+            raise UsageError(
+                f"{flag}: the value is invalid ({NOT_ECHOED}); bcd never reads a join token "
+                "from the command line: pass it on standard input or with --token-file"
+            )
+
+
+def parse_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse bcd's command line; every problem is a UsageError that echoes no secret."""
+    command = _command(argv)
+    try:
+        args, extra = build_parser().parse_known_args(list(argv))
+    except argparse.ArgumentError as exc:
+        name = exc.argument_name or "an argument"
+        if may_be_secret(exc.message) or not exc.message.isprintable():
+            raise UsageError(
+                f"argument {name}: the value is invalid ({NOT_ECHOED}); {_help_hint(command)}"
+            ) from None
+        raise UsageError(f"argument {name}: {exc.message}; {_help_hint(command)}") from None
+    except _ParseProblem as exc:
+        message = str(exc)
+        if may_be_secret(message) or not message.isprintable():
+            message = f"invalid arguments ({NOT_ECHOED})"
+        raise UsageError(f"{message}; {_help_hint(command)}") from None
+    if extra:
+        raise UsageError(_unknown_arguments(command, extra))
+    _refuse_secret_values(args)
+    return args
 
 
 def _now() -> datetime:
@@ -75,16 +181,23 @@ def _now() -> datetime:
 
 def _encryption_key_from_file(cfg: Config) -> ec.EllipticCurvePublicKey | None:
     path = join_encryption_jwk_path(cfg)
-    try:
-        raw = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as exc:
-        raise JoinError(f"cannot read {path}: {exc.strerror}") from exc
     rotated = (
         f"{path} does not match join_encryption_key_pin (was the join key rotated?); "
         "generate the install script again and rerun it, which rewrites the file and the pins"
     )
+    try:
+        raw = fs.read_regular_file(path, 4096)
+    except FileNotFoundError:
+        return None
+    except fs.NotRegularFile as exc:
+        raise JoinError(
+            f"{path} is {exc.kind}, not a regular file (nothing was read); "
+            "generate the install script again and rerun it, which rewrites the file"
+        ) from exc
+    except fs.FileTooLarge as exc:
+        raise JoinError(rotated) from exc
+    except OSError as exc:
+        raise JoinError(f"cannot read {path}: {exc.strerror}") from exc
     try:
         key = wire.public_key_of_jwk(wire.loads_object(raw, 4096))
     except wire.WireError as exc:
@@ -189,12 +302,71 @@ def _bootstrap_config(args: argparse.Namespace, doc: dict[str, Any]) -> Config:
     return parse_config("\n".join(lines) + "\n", Path(args.config))
 
 
-def _read_credential(args: argparse.Namespace) -> Credential | None:
+def _stdin() -> BinaryIO | None:
+    return sys.stdin.buffer if sys.stdin is not None else None
+
+
+def _check_credential_sources(args: argparse.Namespace) -> None:
+    """A usage error (exit 2) for two credential sources, never a silent choice.
+
+    ``--token-file`` with an attestor that reads no token; a token on standard input
+    as well as ``--token-file``; a token on standard input for an attestor that reads
+    none. Standard input is only looked at when it is not a terminal, and never waited
+    on (:func:`bcd.credential.stdin_holds_data`).
+    """
+    attestor = shown(args.attestor)
+    if args.token_file and args.attestor != JOIN_TOKEN:
+        raise UsageError(
+            f"--token-file gives a join token, and --attestor {attestor} reads none; "
+            "drop --token-file, or join with a token (the default attestor)"
+        )
+    if args.token_file or args.attestor != JOIN_TOKEN:
+        stdin = _stdin()
+        if stdin is not None and stdin_holds_data(stdin):
+            if args.token_file:
+                raise UsageError(
+                    "a join credential came both on standard input and with --token-file; "
+                    "give it one way only (neither was used)"
+                )
+            raise UsageError(
+                f"--attestor {attestor} reads no join token, but standard input holds "
+                "something; give none (it was not used)"
+            )
+
+
+def _read_credential(args: argparse.Namespace, *, optional: bool = False) -> Credential | None:
+    """The join credential, checked to be a join token before anything else is done.
+
+    None for an attestor that reads none and, with ``optional``, when standard input
+    (without ``--token-file``) is a terminal or empty.
+    """
     if args.attestor != JOIN_TOKEN:
         return None
     if args.token_file:
-        return read_token_file(Path(args.token_file))
-    return read_stdin(sys.stdin.buffer)
+        credential = read_token_file(Path(args.token_file))
+    else:
+        stdin = _stdin()
+        if optional:
+            found = read_stdin_if_any(stdin) if stdin is not None else None
+            if found is None:
+                return None
+            credential = found
+        elif stdin is None:
+            raise CredentialError(
+                "bcd join reads the join token from standard input or --token-file, and "
+                "standard input is closed; pipe it in: bcd join < join-token"
+            )
+        else:
+            credential = read_stdin(stdin)
+    try:
+        wire.parse_token(credential.text)
+    except wire.WireError:
+        raise CredentialError("the join credential is not a join token (bcjt_…)") from None
+    return credential
+
+
+def _print_moved(src: Path, dst: Path) -> None:
+    print(f"moved {src} -> {dst}")
 
 
 TPM_ATTESTOR = "tpm"
@@ -280,8 +452,17 @@ def _helper_owner(cfg: Config) -> tuple[int, int] | None:
 
 
 def cmd_join(args: argparse.Namespace) -> int:
+    _check_credential_sources(args)
     if os.geteuid() != 0:
         raise BcdError("bcd join must run as root (it writes the node's identity)")
+    plugins = load_plugins()
+    for failure in plugins.failures:
+        print(
+            f"warning: attestor plugin {failure.name} did not load: {failure.error}",
+            file=sys.stderr,
+        )
+    if args.attestor not in plugins.names():
+        raise JoinError(f"no attestor plugin named {shown(repr(args.attestor))} is loaded")
     config_path = Path(args.config)
     bootstrap_doc: dict[str, Any] | None = None
     if not config_path.exists() and args.server:
@@ -292,6 +473,8 @@ def cmd_join(args: argparse.Namespace) -> int:
         if args.data_dir:
             cfg = replace(cfg, data_dir=Path(args.data_dir).absolute())
     data_dir = cfg.data_dir
+    owners = trusted_owners(cfg)
+    check_data_dir(data_dir, owners)  # a directory others can write is never used
     if args.attestor == TPM_ATTESTOR and cfg.tpm.mode == "off":
         raise JoinError("--attestor tpm needs the TPM, but the configuration says [tpm] mode = off")
 
@@ -303,17 +486,30 @@ def cmd_join(args: argparse.Namespace) -> int:
             cfg, _derive_in_tpm(cfg), reset=args.reset, node_id=args.node_id, now=_now()
         )
     plan: list[tuple[Path, Path]] = []
+    credential: Credential | None = None
     if args.reset:  # never with x509pop: prepare() refused that combination
         plan = reset_plan(data_dir, _now())
-        for src, dst in plan:
-            print(f"{'moving' if args.yes else 'would move'} {src} -> {dst}")
-        if not plan:
-            print(f"nothing to move in {data_dir}")
         if not args.yes:
+            for src, dst in plan:
+                print(f"would move {src} -> {dst}")
+            if not plan:
+                print(f"nothing to move in {data_dir}")
             print("nothing was moved; run again with --reset --yes to move the identity aside")
             return 2
+        credential = _read_credential(args, optional=True)
+        if credential is None and args.attestor == JOIN_TOKEN:
+            # The first step of "bcd join --reset --yes, then bcd join": no credential,
+            # so only the move aside, and the way on.
+            apply_reset(plan, _print_moved)
+            if not plan:
+                print(f"nothing to move in {data_dir}")
+            print(
+                "no join credential was given, so nothing was joined; join now as root: "
+                "bcd join < join-token (or --token-file PATH, or --attestor tpm)"
+            )
+            return 0
     elif rejoin is None:
-        state = load_state(data_dir, _derive_in_tpm(cfg))
+        state = load_state(data_dir, _derive_in_tpm(cfg), owners=owners)
         if state is not None:
             ident = state.identity
             if args.node_id and args.node_id != ident.node_id:
@@ -323,16 +519,11 @@ def cmd_join(args: argparse.Namespace) -> int:
                 )
             print(f"already joined as {ident.node_id} (site {ident.site_id}, role {ident.role})")
             return 0
+    if credential is None:
+        credential = _read_credential(args)  # read and checked before any key is made
 
     owner = _helper_owner(cfg)
     key, key_bytes = _node_key(cfg, args.attestor)
-    credential = _read_credential(args)
-    plugins = load_plugins()
-    for failure in plugins.failures:
-        print(
-            f"warning: attestor plugin {failure.name} did not load: {failure.error}",
-            file=sys.stderr,
-        )
     encryption_key = None
     if args.attestor == JOIN_TOKEN:
         encryption_key = _encryption_key_from_file(cfg) if bootstrap_doc is None else None
@@ -376,7 +567,7 @@ def cmd_join(args: argparse.Namespace) -> int:
     if rejoin is not None:  # crash safe: the old identity loads until the new one is whole
         persist_rejoin(data_dir, ident, key_bytes)
     else:
-        apply_reset(plan)
+        apply_reset(plan, _print_moved)  # each move printed once it is done
         persist_join(data_dir, ident, key_bytes, _now())
     if owner is not None:
         hand_over(data_dir, *owner)  # join step 7: lchown, never through a swapped-in link
@@ -463,10 +654,17 @@ def cmd_vouch(args: argparse.Namespace) -> int:
     from bcd.hardware import normalize_mac
     from bcd.vouch import vouch
 
+    missing = [
+        flag
+        for flag, value in (("--mac", args.mac), ("--boot-lease-epoch", args.boot_lease_epoch))
+        if value is None
+    ]
+    if missing:
+        raise UsageError(f"bcd vouch needs {' and '.join(missing)}; see bcd vouch --help")
     mac = normalize_mac(args.mac)
     if mac is None:
         raise UsageError(
-            f"--mac {args.mac!r} is not a permanent, globally administered unicast MAC"
+            f"--mac {shown(repr(args.mac))} is not a permanent, globally administered unicast MAC"
         )
     if args.boot_lease_epoch <= 0:
         raise UsageError("--boot-lease-epoch must be a positive integer (the lease's unix time)")
@@ -528,9 +726,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(fn=cmd_vouch)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
-    p.add_argument("--mac", required=True, help="the booted machine's MAC")
+    # Required, but checked by cmd_vouch: argparse would report a missing one before an
+    # unknown option (a typo of it), which is the more useful message.
+    p.add_argument("--mac", help="the booted machine's MAC (required)")
     p.add_argument(
-        "--boot-lease-epoch", required=True, type=int, help="the boot's DHCP lease (unix time)"
+        "--boot-lease-epoch", type=int, help="the boot's DHCP lease (unix time; required)"
     )
     p.add_argument("--ip", help="the address the machine was given")
     p.add_argument("--workflow-id", help="the provisioning workflow that booted it")
@@ -546,18 +746,11 @@ INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE, as bcd node's
 def main(argv: Sequence[str] | None = None) -> int:
     systemd.configure_logging(sys.stderr, logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
-    if argv[:1] == ["join"]:
-        args, extra = parser.parse_known_args(argv)
-        if extra:
-            print(
-                "bcd: bcd join takes no positional argument and never reads a token from the "
-                "command line (nothing was echoed); pass it on standard input or with --token-file",
-                file=sys.stderr,
-            )
-            return 2
-    else:
-        args = parser.parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except UsageError as exc:
+        print(f"bcd: usage: {exc}", file=sys.stderr)
+        return exc.exit_code
     try:
         code: int = args.fn(args)
     except BcdError as exc:

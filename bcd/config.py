@@ -23,7 +23,8 @@ Every problem is a :class:`~bcd.errors.ConfigError` whose message names the file
 the key: a missing file, bad TOML, an unknown key, a missing key, a wrong type, a
 malformed pin (a malformed pin stops bcd from starting), a gateway URL that is not
 ``https://host[:port]``. Parsing is pure (:func:`parse_config`); only
-:func:`load_config` reads the file.
+:func:`load_config` reads the file, and only a regular file of at most 64 KiB, judged
+before a byte is read (a FIFO or ``/dev/zero`` is refused, never waited on or read).
 
 ``gateway_url`` is kept without a trailing ``/``. The join-encryption key the install
 script writes lives beside the file (:func:`join_encryption_jwk_path`).
@@ -31,7 +32,10 @@ script writes lives beside the file (:func:`join_encryption_jwk_path`).
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import os
+import pwd
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -39,7 +43,7 @@ from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from bcd import pki
+from bcd import fs, pki
 from bcd.errors import ConfigError
 
 DEFAULT_CONFIG_PATH = Path("/etc/bcd/config.toml")
@@ -106,7 +110,7 @@ class Config:
 def load_config(path: Path) -> Config:
     """Read and validate the configuration at ``path``."""
     try:
-        data = path.read_bytes()
+        data = fs.read_regular_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError as exc:
         raise ConfigError(
             f"no configuration at {path}; run the install script, or bcd join --server "
@@ -114,10 +118,15 @@ def load_config(path: Path) -> Config:
         ) from exc
     except IsADirectoryError as exc:
         raise ConfigError(f"{path}: is a directory, not a configuration file") from exc
+    except fs.NotRegularFile as exc:
+        raise ConfigError(
+            f"{path}: is {exc.kind}, not a regular file; bcd reads its configuration only "
+            "from a regular file (nothing was read)"
+        ) from exc
+    except fs.FileTooLarge as exc:
+        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes") from exc
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
-    if len(data) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -301,6 +310,20 @@ def gateway_host_port(cfg: Config) -> tuple[str, int]:
 def join_encryption_jwk_path(cfg: Config) -> Path:
     """``join-encryption.jwk`` beside the config file."""
     return cfg.path.parent / JOIN_ENCRYPTION_JWK_NAME
+
+
+def trusted_owners(cfg: Config) -> frozenset[int]:
+    """The uids that may own the data directory and its files (bcd.identity checks them).
+
+    Root, the user running bcd and, under ``[helper]``, the helper user (the join
+    hands identity.json and node.key to it, and systemd's ``StateDirectory=`` gives it
+    the directory). A helper user that does not exist adds nothing.
+    """
+    owners = {0, os.geteuid()}
+    if cfg.helper is not None:
+        with contextlib.suppress(KeyError):
+            owners.add(pwd.getpwnam(cfg.helper.user).pw_uid)
+    return frozenset(owners)
 
 
 # --- writing ----------------------------------------------------------------------

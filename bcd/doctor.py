@@ -7,8 +7,10 @@ Checks, in order:
 ``identity``
     The identity in the data directory loads (the same rules as every agent mode).
     warn: the node has not joined; fail: the identity does not load, the certificate
-    expired, or there is no configuration to find it; ok: the node, site, role and
-    the certificate's end.
+    expired, or there is no configuration to find it; fail too when the data directory
+    or a file in it is not private (group or other permission bits, or an owner other
+    than root, the user running doctor or the ``[helper]`` user), with the chmod or
+    chown back; ok: the node, site, role and the certificate's end.
 ``x509pop``
     Only after an expiry of at most 7 days (and not for a certificate naming a TPM
     AK): warn with the other way back, ``bcd join --attestor x509pop`` as root, when
@@ -54,7 +56,7 @@ from typing import TYPE_CHECKING, Literal
 
 import trio
 
-from bcd.config import Config, load_config
+from bcd.config import Config, load_config, trusted_owners
 from bcd.errors import BcdError, ConfigError
 from bcd.identity import NOT_JOINED, AnyState, load_state
 
@@ -117,16 +119,21 @@ def rejoin_hint(state: AnyState | None, now: datetime) -> Check | None:
 
 
 def _loader(cfg: Config) -> Callable[[Path], AnyState | None]:
-    """LoadState as ``bcd node`` does it: under ``[helper]`` a TPM key is derived there."""
+    """LoadState as ``bcd node`` does it: under ``[helper]`` a TPM key is derived there.
+
+    The data directory and its files may be owned by root, the user running doctor or
+    the ``[helper]`` user (:func:`bcd.config.trusted_owners`).
+    """
+    owners = trusted_owners(cfg)
     if cfg.helper is None:
-        return load_state
+        return functools.partial(load_state, owners=owners)
     from bcd.helper.client import HelperClient
     from bcd.helper.nodekeys import HelperKeys
 
     keys = HelperKeys(HelperClient(cfg.helper.socket))
 
     def load(data_dir: Path) -> AnyState | None:
-        work = functools.partial(load_state, data_dir, keys.derive_sync)
+        work = functools.partial(load_state, data_dir, keys.derive_sync, owners=owners)
         return trio.run(trio.to_thread.run_sync, work)
 
     return load

@@ -10,10 +10,70 @@ final name: ``rename`` replaces the link itself.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 import stat
 from pathlib import Path
+
+
+class NotRegularFile(Exception):
+    """Raised by :func:`read_regular_file` for a FIFO, a device, a socket and the like."""
+
+    def __init__(self, kind: str) -> None:
+        super().__init__(kind)
+        self.kind = kind
+
+
+class FileTooLarge(Exception):
+    """Raised by :func:`read_regular_file` for a file over its limit."""
+
+
+def file_kind(mode: int) -> str:
+    """What a ``st_mode`` is, in words: ``a FIFO``, ``a character device``, ..."""
+    for test, name in (
+        (stat.S_ISREG, "a regular file"),
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISLNK, "a symbolic link"),
+    ):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def read_regular_file(path: Path, limit: int) -> bytes:
+    """A regular file's content, judged before it is read and read bounded.
+
+    Opened with ``O_NONBLOCK``, so opening a FIFO does not wait for a writer; then
+    ``fstat`` decides: a directory raises ``IsADirectoryError``, anything else that is
+    not a regular file (a FIFO, ``/dev/zero``, a socket) :class:`NotRegularFile`, a
+    size over ``limit`` :class:`FileTooLarge`, and so does a file that grows past
+    ``limit`` while it is read (at most ``limit + 1`` bytes are ever read). A symlink
+    is followed (a configuration may be one). Other errors are the ``OSError``.
+    """
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if stat.S_ISDIR(st.st_mode):
+            raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+        if not stat.S_ISREG(st.st_mode):
+            raise NotRegularFile(file_kind(st.st_mode))
+        if st.st_size > limit:
+            raise FileTooLarge(str(path))
+        chunks: list[bytes] = []
+        size = 0
+        while chunk := os.read(fd, min(65536, limit + 1 - size)):
+            chunks.append(chunk)
+            size += len(chunk)
+            if size > limit:
+                raise FileTooLarge(str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 def fsync_dir(directory: Path) -> None:

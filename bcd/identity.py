@@ -11,9 +11,20 @@ Layout of the data directory (0700)::
 Loading (:func:`load_state`) follows the seed's three rules:
 
 1. no identity.json: the node has not joined (``None``);
-2. a node.key.next that the stored leaf certifies is promoted to node.key (a renewal
-   stopped after storing the certificate); any other node.key.next is removed;
+2. a node.key.next that the stored leaf certifies, of the kind identity.json names
+   (``file`` or ``tpm``), is promoted to node.key (a renewal stopped after storing the
+   certificate); any other node.key.next is removed, except that one of another kind
+   that would otherwise be promoted, or one another user could read or write, is
+   moved aside as ``node.key.next.refused-<unix>`` with a warning (never promoted);
 3. node.key must be the leaf's key, else :data:`KEY_MISMATCH`.
+
+Before any of them, the data directory and every file read from it must be private
+(:func:`check_private`): owned by one of the trusted uids (root and the user running
+bcd, plus the ``[helper]`` user: :func:`bcd.config.trusted_owners`); the directory
+neither readable nor writable by group or other (0700, or 0711), identity.json not
+writable by them, node.key and node.key.next without any group or other bit (0600 or
+0400). Anything else is an :class:`~bcd.errors.IdentityError` naming the path and the
+chmod or chown back (a node.key.next is moved aside instead, see rule 2).
 
 Writing goes only through :mod:`bcd.fs`: :func:`persist_join` for a join,
 :func:`write_next_key` and :func:`store_renewal` for a renewal, :func:`reset_plan` and
@@ -28,10 +39,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import json
+import logging
 import os
 import re
 import stat
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -67,7 +80,7 @@ TPM_NODE_UNSUPPORTED = (
     "this identity's key is held in the TPM, and bcd node uses it only through bcd helper: "
     "add a [helper] table to config.toml and run bcd helper as root"
 )
-NOT_JOINED = "this node has not joined; run: bcd join"
+NOT_JOINED = "this node has not joined (run bcd join)"
 
 KeyKind = Literal["file", "tpm"]
 
@@ -88,6 +101,9 @@ IDENTITY_FIELDS = (
 )
 _NODE_ID = re.compile(r"^node_[0-9a-z]{26}$")
 _SITE_ID = re.compile(r"^site_[0-9a-z]{26}$")
+REFUSED_NEXT_SUFFIX = ".refused-"
+
+log = logging.getLogger("bcd.identity")
 
 
 # --- times ------------------------------------------------------------------------
@@ -306,8 +322,74 @@ def _symlink_refused(path: Path) -> IdentityError:
     return IdentityError(f"{path} is a symbolic link, which bcd refuses; {WAY_BACK}")
 
 
-def _read_regular(path: Path, limit: int) -> bytes | None:
-    """A regular file's content, never through a symlink; None when it does not exist."""
+def default_owners() -> frozenset[int]:
+    """The uids trusted without a configuration: root and the user running bcd."""
+    return frozenset({0, os.geteuid()})
+
+
+def _owners(owners: Iterable[int] | None) -> frozenset[int]:
+    return default_owners() if owners is None else frozenset(owners) | {0}
+
+
+DIR_MASK = 0o066
+"""The data directory: no other user may list it or create, rename or remove in it
+(search permission alone, 0711, lets no one read or change anything)."""
+PUBLIC_FILE_MASK = 0o022
+"""identity.json holds only public values: no other user may write it."""
+KEY_FILE_MASK = 0o077
+"""node.key and node.key.next: no other user may read or write them (0600 or 0400)."""
+
+
+def _not_private(st: os.stat_result, owners: frozenset[int], mask: int) -> str | None:
+    """Why a file or directory with ``st`` is not private to bcd, in short; None if it is."""
+    if st.st_uid not in owners:
+        return (
+            f"it is owned by uid {st.st_uid}, which is not root, the user running bcd or the "
+            "[helper] user"
+        )
+    mode = stat.S_IMODE(st.st_mode)
+    bits = mode & mask
+    if bits:
+        verbs = [v for v, m in (("read", 0o044), ("write", 0o022), ("execute", 0o011)) if bits & m]
+        return f"it is mode {mode:04o}: other users can {' and '.join(verbs)} it"
+    return None
+
+
+def private_problem(
+    path: Path, st: os.stat_result, owners: frozenset[int], mask: int
+) -> str | None:
+    """Why ``path`` (its ``st``) is not private to bcd, with the way back; None when it is.
+
+    Private: owned by one of ``owners`` and without a permission bit of ``mask`` for
+    group or other (:data:`DIR_MASK`, :data:`PUBLIC_FILE_MASK`, :data:`KEY_FILE_MASK`),
+    so no other user can read a private key or plant, swap or change a file.
+    """
+    why = _not_private(st, owners, mask)
+    if why is None:
+        return None
+    directory = stat.S_ISDIR(st.st_mode)
+    what = "the data directory " if directory else ""
+    if st.st_uid not in owners:
+        back = f"check what is in it, then give it back: chown root {path}"
+        back += f" (under [helper]: chown <helper user> {path})"
+    else:
+        back = f"make it its owner's alone: chmod {'0700' if directory else '0600'} {path}"
+        if mask == KEY_FILE_MASK and stat.S_IMODE(st.st_mode) & 0o044:
+            back += f" (another user may have read the key: {WAY_BACK})"
+    return f"{what}{path} is not private ({why}), so bcd does not trust it; {back}"
+
+
+def check_private(
+    path: Path, st: os.stat_result, mask: int, owners: Iterable[int] | None = None
+) -> None:
+    """Raise IdentityError (:func:`private_problem`) unless ``path`` is private to bcd."""
+    problem = private_problem(path, st, _owners(owners), mask)
+    if problem is not None:
+        raise IdentityError(problem)
+
+
+def _open_regular(path: Path, limit: int) -> tuple[bytes, os.stat_result] | None:
+    """A regular file's content and stat, never through a symlink; None when absent."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
@@ -329,20 +411,46 @@ def _read_regular(path: Path, limit: int) -> bytes | None:
             size += len(chunk)
             if size > limit:
                 raise IdentityError(f"{path} is too large; {WAY_BACK}")
-        return b"".join(chunks)
+        return b"".join(chunks), st
     finally:
         os.close(fd)
 
 
-def _data_dir_exists(data_dir: Path) -> bool:
+def _read_regular(
+    path: Path, limit: int, owners: frozenset[int] | None = None, mask: int = KEY_FILE_MASK
+) -> bytes | None:
+    """:func:`_open_regular`'s content; with ``owners``, the file must be private too."""
+    found = _open_regular(path, limit)
+    if found is None:
+        return None
+    raw, st = found
+    if owners is not None:
+        check_private(path, st, mask, owners)
+    return raw
+
+
+def _data_dir_stat(data_dir: Path) -> os.stat_result | None:
     try:
         st = os.lstat(data_dir)
     except FileNotFoundError:
-        return False
+        return None
     except OSError as exc:
         raise IdentityError(f"cannot read {data_dir}: {exc.strerror or exc}") from exc
     if not stat.S_ISDIR(st.st_mode):
         raise IdentityError(f"the data directory {data_dir} is not a directory")
+    return st
+
+
+def _data_dir_exists(data_dir: Path) -> bool:
+    return _data_dir_stat(data_dir) is not None
+
+
+def check_data_dir(data_dir: Path, owners: Iterable[int] | None = None) -> bool:
+    """Whether the data directory exists; raise IdentityError if it is not private."""
+    st = _data_dir_stat(data_dir)
+    if st is None:
+        return False
+    check_private(data_dir, st, DIR_MASK, owners)
     return True
 
 
@@ -388,26 +496,36 @@ TPM: only root may); raises :class:`~bcd.tpm.TpmKeyMismatch` or TpmError."""
 
 
 @overload
-def load_state(data_dir: Path) -> LoadedState | None: ...
+def load_state(data_dir: Path, *, owners: Iterable[int] | None = None) -> LoadedState | None: ...
 
 
 @overload
-def load_state(data_dir: Path, derive: Derive) -> LoadedState | LoadedTpmState | None: ...
+def load_state(
+    data_dir: Path, derive: Derive, *, owners: Iterable[int] | None = None
+) -> LoadedState | LoadedTpmState | None: ...
 
 
-def load_state(data_dir: Path, derive: Derive | None = None) -> LoadedState | LoadedTpmState | None:
+def load_state(
+    data_dir: Path, derive: Derive | None = None, *, owners: Iterable[int] | None = None
+) -> LoadedState | LoadedTpmState | None:
     """Load the identity (the seed's LoadState); None when the node has not joined.
 
     An identity with a TPM key (``key: "tpm"``) loads only with ``derive``: node.key's
     record must be pinned to the leaf's key and the TPM must derive that key again,
     else :data:`TPM_KEY_MISMATCH`. Without ``derive`` it is refused with
     :data:`TPM_NODE_UNSUPPORTED`. A TPM that cannot be reached raises TpmError.
+
+    ``owners`` are the uids trusted to own the data directory and its files (default:
+    root and the user running bcd; :func:`bcd.config.trusted_owners` adds the
+    ``[helper]`` user). A directory or file that is not private is refused
+    (:func:`private_problem`), whether or not the node has joined.
     """
-    if not _data_dir_exists(data_dir):
+    trusted = _owners(owners)
+    if not check_data_dir(data_dir, trusted):
         return None
     identity_path = data_dir / IDENTITY_FILE
     try:
-        raw = _read_regular(identity_path, MAX_IDENTITY_BYTES)
+        raw = _read_regular(identity_path, MAX_IDENTITY_BYTES, trusted, PUBLIC_FILE_MASK)
     except OSError as exc:
         raise IdentityError(f"cannot read {identity_path}: {exc.strerror or exc}") from exc
     if raw is None:
@@ -424,11 +542,11 @@ def load_state(data_dir: Path, derive: Derive | None = None) -> LoadedState | Lo
     if identity.key == "tpm":
         if derive is None:
             raise IdentityError(TPM_NODE_UNSUPPORTED)
-        _settle_next_key(data_dir, leaf_key)
-        record, public_key = _derive_tpm_key(data_dir, leaf_key, derive)
+        _settle_next_key(data_dir, leaf_key, "tpm", trusted)
+        record, public_key = _derive_tpm_key(data_dir, leaf_key, derive, trusted)
         return LoadedTpmState(data_dir, identity, record, public_key, leaf, info)
-    next_key = _settle_next_key(data_dir, leaf_key)
-    key = _load_node_key(data_dir)
+    next_key = _settle_next_key(data_dir, leaf_key, "file", trusted)
+    key = _load_node_key(data_dir, trusted)
     if not pki.same_public_key(key.public_key(), leaf_key):
         raise IdentityError(KEY_MISMATCH)
     return LoadedState(
@@ -441,11 +559,11 @@ def load_state(data_dir: Path, derive: Derive | None = None) -> LoadedState | Lo
     )
 
 
-def _read_node_key(data_dir: Path) -> tuple[Path, bytes]:
-    """node.key's path and bytes (a regular file, size-capped), or the way back."""
+def _read_node_key(data_dir: Path, owners: frozenset[int]) -> tuple[Path, bytes]:
+    """node.key's path and bytes (a private regular file, size-capped), or the way back."""
     path = data_dir / NODE_KEY_FILE
     try:
-        raw = _read_regular(path, MAX_KEY_BYTES)
+        raw = _read_regular(path, MAX_KEY_BYTES, owners)
     except OSError as exc:
         raise IdentityError(f"cannot read {path}: {exc.strerror or exc}; {WAY_BACK}") from exc
     if raw is None:
@@ -454,9 +572,9 @@ def _read_node_key(data_dir: Path) -> tuple[Path, bytes]:
 
 
 def _derive_tpm_key(
-    data_dir: Path, leaf_key: ec.EllipticCurvePublicKey, derive: Derive
+    data_dir: Path, leaf_key: ec.EllipticCurvePublicKey, derive: Derive, owners: frozenset[int]
 ) -> tuple[NodeKeyRecord, ec.EllipticCurvePublicKey]:
-    path, raw = _read_node_key(data_dir)
+    path, raw = _read_node_key(data_dir, owners)
     try:
         record = NodeKeyRecord.from_json(raw)
     except TpmError as exc:
@@ -472,14 +590,36 @@ def _derive_tpm_key(
     return record, public_key
 
 
-def _settle_next_key(data_dir: Path, leaf_key: ec.EllipticCurvePublicKey) -> NextKey:
-    """Rule 2: promote a certified node.key.next, remove any other."""
+def _settle_next_key(
+    data_dir: Path, leaf_key: ec.EllipticCurvePublicKey, kind: KeyKind, owners: frozenset[int]
+) -> NextKey:
+    """Rule 2: promote a certified node.key.next of the identity's kind, remove any other.
+
+    A node.key.next that is not private (another user could have planted or read it),
+    or of the other kind than ``kind`` (identity.json's ``key``) while it would
+    otherwise be promoted (a TPM record pinned to a file key's public half, which
+    anyone can build from the leaf), is never promoted: it is moved aside as
+    ``node.key.next.refused-<unix>`` and logged, and the current node.key stays.
+    """
     next_path = data_dir / NEXT_KEY_FILE
     try:
-        raw = _read_regular(next_path, MAX_KEY_BYTES)
-        if raw is None:
+        found = _open_regular(next_path, MAX_KEY_BYTES)
+        if found is None:
             return "none"
+        raw, st = found
+        why = _not_private(st, owners, KEY_FILE_MASK)
+        if why is not None:
+            _refuse_next(data_dir, why)
+            return "removed"
         certified = _certified_next(raw, leaf_key)
+        next_kind: KeyKind = "tpm" if _is_record(raw) else "file"
+        if certified and next_kind != kind:
+            _refuse_next(
+                data_dir,
+                f"it holds a {next_kind} key and identity.json's key is a {kind} key "
+                "(only a renewal writes node.key.next, always of the kind it stores)",
+            )
+            return "removed"
         if certified:
             os.rename(next_path, data_dir / NODE_KEY_FILE)
             fs.fsync_dir(data_dir)
@@ -492,12 +632,27 @@ def _settle_next_key(data_dir: Path, leaf_key: ec.EllipticCurvePublicKey) -> Nex
         ) from exc
 
 
+def _refuse_next(data_dir: Path, why: str) -> Path:
+    """Move node.key.next aside, never over anything, and log why."""
+    base = _free_name(data_dir, f"{NEXT_KEY_FILE}{REFUSED_NEXT_SUFFIX}{int(time.time())}", ())
+    aside = data_dir / base
+    os.rename(data_dir / NEXT_KEY_FILE, aside)
+    fs.fsync_dir(data_dir)
+    log.warning("%s was not promoted: %s; moved aside to %s", data_dir / NEXT_KEY_FILE, why, aside)
+    return aside
+
+
+def _is_record(raw: bytes) -> bool:
+    """Whether key bytes are a TPM record (JSON) rather than a PKCS#8 PEM file key."""
+    return raw.lstrip().startswith(b"{")
+
+
 def _certified_next(raw: bytes, leaf_key: ec.EllipticCurvePublicKey) -> bool:
     """Whether node.key.next holds the leaf's key: a file key, or a TPM record pinned to it.
 
     A record is promoted on its pin alone; the TPM derives it (and is checked) at load.
     """
-    if raw.lstrip().startswith(b"{"):
+    if _is_record(raw):
         try:
             pin = NodeKeyRecord.from_json(raw).pin
         except TpmError:
@@ -509,8 +664,8 @@ def _certified_next(raw: bytes, leaf_key: ec.EllipticCurvePublicKey) -> bool:
         return False
 
 
-def _load_node_key(data_dir: Path) -> ec.EllipticCurvePrivateKey:
-    path, raw = _read_node_key(data_dir)
+def _load_node_key(data_dir: Path, owners: frozenset[int]) -> ec.EllipticCurvePrivateKey:
+    path, raw = _read_node_key(data_dir, owners)
     try:
         return load_key_pem(raw)
     except IdentityError as exc:
@@ -726,8 +881,14 @@ def reset_plan(data_dir: Path, now: datetime) -> list[tuple[Path, Path]]:
     return [(data_dir / name, data_dir / target(name, chosen)) for name in present]
 
 
-def apply_reset(plan: list[tuple[Path, Path]]) -> None:
-    """Do the renames of :func:`reset_plan` (never over an existing name), then fsync."""
+def apply_reset(
+    plan: list[tuple[Path, Path]], moved: Callable[[Path, Path], None] | None = None
+) -> None:
+    """Do the renames of :func:`reset_plan` (never over an existing name), then fsync.
+
+    ``moved`` is called with each ``(src, dst)`` right after that rename is done, so
+    what is reported is what happened, also when a later rename fails.
+    """
     directories: list[Path] = []
     for src, dst in plan:
         try:
@@ -736,6 +897,8 @@ def apply_reset(plan: list[tuple[Path, Path]]) -> None:
             os.rename(src, dst)
         except OSError as exc:
             raise IdentityError(f"cannot move {src} aside: {exc.strerror or exc}") from exc
+        if moved is not None:
+            moved(src, dst)
         if src.parent not in directories:
             directories.append(src.parent)
     for directory in directories:

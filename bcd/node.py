@@ -25,11 +25,11 @@ from typing import Any
 import trio
 
 from bcd import failpoints, systemd
-from bcd.config import Config
+from bcd.config import Config, trusted_owners
 from bcd.errors import CertificateRevoked, IdentityError
 from bcd.helper.client import HelperClient
 from bcd.helper.nodekeys import HelperKeys
-from bcd.identity import AnyState, load_state
+from bcd.identity import NOT_JOINED, AnyState, load_state
 from bcd.journal import Journal, open_journal
 from bcd.renew import FAIL_POINTS, gateway_renew_sender, renewal_task
 from bcd.session import SessionInfo, session_task
@@ -73,9 +73,14 @@ def load_identity(cfg: Config, now: datetime, tpm: HelperKeys | None = None) -> 
     With ``tpm`` (``[helper]``), a TPM-held key is derived through ``bcd helper``; call
     this in ``trio.to_thread.run_sync`` then (the derive calls back into trio).
     """
-    state = load_state(cfg.data_dir) if tpm is None else load_state(cfg.data_dir, tpm.derive_sync)
+    owners = trusted_owners(cfg)
+    state: AnyState | None
+    if tpm is None:
+        state = load_state(cfg.data_dir, owners=owners)
+    else:
+        state = load_state(cfg.data_dir, tpm.derive_sync, owners=owners)
     if state is None:
-        raise IdentityError("this node has not joined; run as root: bcd join")
+        raise IdentityError(NOT_JOINED)
     if state.expired(now):
         raise IdentityError(
             f"the certificate expired at {state.identity.not_after}; join again as root: "

@@ -19,7 +19,7 @@ from datetime import datetime
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, utils
 
-from bcd.config import Config
+from bcd.config import Config, trusted_owners
 from bcd.errors import JoinError, UsageError
 from bcd.identity import AnyState, Derive, LoadedState, load_state
 
@@ -83,7 +83,7 @@ def prepare(
             "--attestor x509pop re-joins the identity this machine holds; it does not combine "
             "with --reset"
         )
-    state = load_state(cfg.data_dir, derive)
+    state = load_state(cfg.data_dir, derive, owners=trusted_owners(cfg))
     if state is None:
         raise JoinError(
             f"--attestor x509pop re-joins this machine's existing identity, and {cfg.data_dir} "

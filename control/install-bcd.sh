@@ -6,8 +6,9 @@
 #   sudo sh install-bcd.sh < /dev/null                  # no token: upgrade a joined host
 #
 # The token is read only from BCD_JOIN_TOKEN or standard input, never from an
-# argument or a URL, is passed to `bcd join` on its standard input alone and is never
-# written to disk. Step by step (docs/installing.md):
+# argument or a URL, leaves the environment before any process is started, is passed
+# to `bcd join` on its standard input alone and is never written to disk. Step by
+# step (docs/installing.md):
 #   1. checks: root, no arguments, the token's form, this machine's architecture,
 #      sha256sum, curl or wget, a python3 of 3.11 or newer, useradd;
 #   2. downloads bcd for this architecture and checks its SHA-256 (nothing is
@@ -30,6 +31,19 @@
 # marker line below with the values for one pool and site.
 set -eu
 umask 022
+
+# The token, first of all: BCD_JOIN_TOKEN, else one line of standard input (unless it
+# is a terminal). It stays in an unexported shell variable and BCD_JOIN_TOKEN leaves
+# the environment here, before this script starts any process (every command up to
+# the unset is a shell builtin), so no program started here sees it. It is checked in
+# step 1 below.
+token=""
+if [ -n "${BCD_JOIN_TOKEN:-}" ]; then
+    token=$BCD_JOIN_TOKEN
+elif [ ! -t 0 ]; then
+    read -r token || true
+fi
+unset BCD_JOIN_TOKEN || true
 
 # @@RENDERED@@
 
@@ -59,7 +73,6 @@ OLD_LINK=""     # what /usr/local/bin/bcd pointed to before (empty: nothing)
 LINK_SWITCHED=no
 COMMITTED=no
 WORK=""
-token=""
 
 created() { CREATED="$1
 $CREATED"; }
@@ -156,15 +169,7 @@ if [ "$(id -u)" != 0 ]; then
     die "run it as root (sudo sh install-bcd.sh); it installs bcd and writes /etc/bcd"
 fi
 
-# The token: BCD_JOIN_TOKEN, else one line of standard input (unless it is a terminal).
-# It stays in an unexported shell variable; BCD_JOIN_TOKEN leaves the environment, so
-# no program started here sees it.
-if [ -n "${BCD_JOIN_TOKEN:-}" ]; then
-    token=$BCD_JOIN_TOKEN
-elif [ ! -t 0 ]; then
-    read -r token || true
-fi
-unset BCD_JOIN_TOKEN || true
+# The token read at the top: its form.
 if [ -n "$token" ]; then
     case $token in
         bcjt_*) ;;

@@ -59,11 +59,11 @@ def test_not_joined_is_a_warning(tmp_path: Path) -> None:
     checks = run_checks(cfg, _now())
     assert checks == [
         Check("config", "ok", str(cfg)),
-        Check("identity", "warn", "this node has not joined; run: bcd join"),
+        Check("identity", "warn", "this node has not joined (run bcd join)"),
     ]
     assert exit_code(checks) == 0
     assert render_text(checks) == (
-        f"ok    config    {cfg}\nwarn  identity  this node has not joined; run: bcd join\n"
+        f"ok    config    {cfg}\nwarn  identity  this node has not joined (run bcd join)\n"
     )
 
 

@@ -60,6 +60,7 @@ def test_a_certified_next_key_is_promoted_and_another_removed(
     _cp, node, _pool = joined
     key_pem = (node.data_dir / "node.key").read_bytes()
     (node.data_dir / "node.key.next").write_bytes(key_pem)
+    (node.data_dir / "node.key.next").chmod(0o600)  # as a renewal writes it
     (node.data_dir / "node.key").write_bytes(key_to_pem(generate_file_key()))
     assert node.bcd("doctor").returncode == 0
     assert (node.data_dir / "node.key").read_bytes() == key_pem

@@ -269,6 +269,7 @@ def test_next_key_certified_by_leaf_is_promoted(tmp_path: Path, ca: CertAuthorit
     next_key, renewed = node_identity(ca)
     next_pem = key_to_pem(next_key)
     (tmp_path / "node.key.next").write_bytes(next_pem)
+    (tmp_path / "node.key.next").chmod(0o600)  # as a renewal writes it (a 0644 one is refused)
     (tmp_path / "identity.json").write_bytes(renewed.to_json())
     state = load_state(tmp_path)
     assert state is not None
