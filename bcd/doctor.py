@@ -91,7 +91,38 @@ def run_checks(config_path: Path, now: datetime) -> list[Check]:
     hint = rejoin_hint(state, now)
     if hint is not None:
         checks.append(hint)
+    if cfg.helper is not None and state is not None:
+        checks.append(helper_node_check(cfg, state.identity.node_id))
     return checks
+
+
+def helper_node_check(cfg: Config, node_id: str) -> Check:
+    """Which node bcd helper serves (from root's join record, read at its start)."""
+    import trio
+
+    from bcd.helper import HelperError
+    from bcd.helper.client import HelperClient
+
+    assert cfg.helper is not None
+    try:
+        served = trio.run(HelperClient(cfg.helper.socket).served_node)
+    except HelperError as exc:
+        return Check("helper", "warn", f"cannot ask bcd helper which node it serves: {exc}")
+    if not served:
+        return Check(
+            "helper",
+            "warn",
+            "bcd helper has no root join record (bcd join as root writes it; then restart "
+            "bcd-helper.service)",
+        )
+    if served != node_id:
+        return Check(
+            "helper",
+            "fail",
+            f"bcd helper serves node {served}, but this identity is node {node_id}: "
+            "restart bcd-helper.service (it reads root's join record at start)",
+        )
+    return Check("helper", "ok", f"bcd helper serves node {node_id} (root's join record)")
 
 
 REJOIN_WINDOW = timedelta(days=7)

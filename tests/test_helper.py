@@ -966,3 +966,22 @@ async def test_the_helper_tells_which_node_it_serves(swtpm: SwTpm, tmp_path: Pat
         assert await client.served_node() == node
     async with running(_settings(swtpm, tmp_path)) as client:
         assert await client.served_node() == ""
+
+
+async def test_doctor_names_the_node_the_helper_serves(swtpm: SwTpm, tmp_path: Path) -> None:
+    from bcd.doctor import helper_node_check
+
+    node = "node_" + "c" * 26
+    settings = dataclasses.replace(_settings(swtpm, tmp_path), node_id=node)
+    path = tmp_path / "config.toml"
+    path.write_text(_config_text(swtpm, settings.socket))
+    cfg = parse_config(path.read_text(), path)
+    async with running(settings):
+        same = await trio.to_thread.run_sync(helper_node_check, cfg, node)
+        other = await trio.to_thread.run_sync(helper_node_check, cfg, "node_" + "d" * 26)
+    assert (same.status, same.message) == (
+        "ok",
+        f"bcd helper serves node {node} (root's join record)",
+    )
+    assert other.status == "fail"
+    assert "restart bcd-helper.service" in other.message
