@@ -4,6 +4,13 @@ The caller owns the stream (see :func:`bcd.tls.connect_pinned`); requests on the
 same stream reuse it (keep-alive) as long as the previous exchange completed.
 Every failure is a :class:`~bcd.errors.TransportError` whose message never
 contains bytes of a body.
+
+Everything read is bounded, whatever the server sends: a response head (status
+line and headers, or a chunk header or trailers) of at most 32 KiB, at most 8
+informational (1xx) heads before the response, a whole body of at most
+``max_body`` (1 MiB by default, chunked or not), each streamed line at most
+``max_line`` (64 KiB), and the rest of a streamed body read with :func:`read_rest`
+at most its ``limit``.
 """
 
 from __future__ import annotations
@@ -12,7 +19,7 @@ import contextlib
 import math
 import ssl
 import weakref
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
@@ -23,8 +30,10 @@ from bcd.errors import TransportError
 from bcd.tls import os_reason
 
 MAX_LINE = 64 * 1024
+MAX_BODY = 1 << 20
+MAX_HEAD = 32 * 1024
 _RECV = 64 * 1024
-_MAX_HEAD = 32 * 1024
+_MAX_INFORMATIONAL = 8
 
 _conns: weakref.WeakKeyDictionary[trio.abc.Stream, h11.Connection] = weakref.WeakKeyDictionary()
 
@@ -43,7 +52,7 @@ def _connection(stream: trio.abc.Stream) -> h11.Connection:
     except TypeError:  # a stream that cannot be weakly referenced: one exchange each
         conn = None
     if conn is None:
-        conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=_MAX_HEAD)
+        conn = h11.Connection(h11.CLIENT, max_incomplete_event_size=MAX_HEAD)
         with contextlib.suppress(TypeError):
             _conns[stream] = conn
         return conn
@@ -62,6 +71,10 @@ def _translate(host: str, timeout: float) -> Iterator[None]:
     except trio.TooSlowError as exc:
         raise TransportError(f"{host} did not answer within {timeout:g} s") from exc
     except h11.RemoteProtocolError as exc:
+        if exc.error_status_hint == 431:  # h11's receive buffer is over MAX_HEAD
+            raise TransportError(
+                f"{host} sent an HTTP head or chunk header over {MAX_HEAD} bytes"
+            ) from exc
         raise TransportError(f"{host} sent a malformed HTTP response") from exc
     except h11.LocalProtocolError as exc:
         raise TransportError(f"the HTTP request to {host} could not be sent") from exc
@@ -101,16 +114,21 @@ async def _start(
         data += conn.send(h11.Data(data=body))
     data += conn.send(h11.EndOfMessage())
     await stream.send_all(data)
-    while True:
+    for _ in range(_MAX_INFORMATIONAL + 1):
         event = await _next_event(stream, conn)
         if isinstance(event, h11.Response):
             break
         if not isinstance(event, h11.InformationalResponse):
             raise h11.RemoteProtocolError("no response")
-    found: dict[str, str] = {}
+    else:
+        raise TransportError(f"{host} sent more than {_MAX_INFORMATIONAL} informational answers")
+    # h11 bounds a head still arriving; one that came whole in a read is checked here
+    if sum(len(name) + len(value) + 4 for name, value in event.headers) > MAX_HEAD:
+        raise TransportError(f"{host} sent an HTTP head or chunk header over {MAX_HEAD} bytes")
+    values: dict[str, list[str]] = {}
     for raw_name, raw_value in event.headers:
-        name, value = raw_name.decode("latin-1"), raw_value.decode("latin-1")
-        found[name] = f"{found[name]}, {value}" if name in found else value
+        values.setdefault(raw_name.decode("latin-1"), []).append(raw_value.decode("latin-1"))
+    found = {name: ", ".join(parts) for name, parts in values.items()}
     return conn, event.status_code, found
 
 
@@ -121,7 +139,7 @@ async def request(
     host: str,
     body: bytes | None = None,
     headers: Sequence[tuple[str, str]] = (),
-    max_body: int = 1 << 20,
+    max_body: int = MAX_BODY,
     timeout: float = 30,  # noqa: ASYNC109 - one deadline over the whole exchange
 ) -> Response:
     """Send one request on ``stream`` and read the whole response (at most ``max_body``)."""
@@ -198,11 +216,39 @@ async def _lines(
             raise TransportError(f"{host} sent a malformed HTTP response")
 
 
+async def read_rest(
+    lines: AsyncIterator[bytes],
+    host: str,
+    *,
+    limit: int,
+    timeout: float = 30,  # noqa: ASYNC109 - one deadline over the rest of the body
+) -> bytes:
+    """The rest of a streamed body (its lines joined), at most ``limit`` bytes.
+
+    For an answer that is one document, such as an error, arriving through
+    :func:`open_lines`: raises TransportError when it is longer than ``limit`` or
+    does not end within ``timeout`` seconds, so a server cannot make the caller
+    hold more than ``limit`` bytes or wait forever.
+    """
+    parts: list[bytes] = []
+    size = 0
+    try:
+        with trio.fail_after(timeout):
+            async for line in lines:
+                size += len(line)
+                if size > limit:
+                    raise TransportError(f"the answer from {host} is over {limit} bytes")
+                parts.append(line)
+    except trio.TooSlowError as exc:
+        raise TransportError(f"{host} did not finish its answer within {timeout:g} s") from exc
+    return b"".join(parts)
+
+
 async def fetch_url(
     url: str,
     *,
     timeout: float = 15,  # noqa: ASYNC109 - bounds connect, handshake and exchange
-    max_body: int = 1 << 20,
+    max_body: int = MAX_BODY,
 ) -> Response:
     """GET a plain http:// or https:// URL (https verified by the system trust store)."""
     parts = urlsplit(url)

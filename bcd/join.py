@@ -33,6 +33,7 @@ MAX_ATTEMPTS = 20
 MAX_CHALLENGE_ROUNDS = 3
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 30.0
+MAX_PENDING_WAIT_S = 3600  # a pending answer's retry_after_s, however large, is waited at most 1 h
 REFUSED = "the control plane refused the join (ACCESS_DENIED: Join refused)"
 
 
@@ -180,8 +181,7 @@ def gateway_sender(cfg: Config) -> Sender:
         if err is None:
             raise RetryableError(f"the gateway answered HTTP {resp.status}")
         if err.code in wire.RETRYABLE:
-            pushback = resp.headers.get("retry-pushback-ms")
-            wait = int(pushback) / 1000 if pushback and pushback.isdigit() else None
+            wait = wire.parse_pushback(resp.headers.get("retry-pushback-ms"))
             raise RetryableError(f"{err.code}: {err.message}", wait)
         if err.code == "ACCESS_DENIED":
             raise JoinError(REFUSED)
@@ -197,7 +197,11 @@ async def send_with_retries(
     attempts: int = MAX_ATTEMPTS,
     rng: random.Random | None = None,
 ) -> str:
-    """Up to ``attempts`` tries; back off between them, or wait out the server's pushback."""
+    """Up to ``attempts`` tries; back off between them, or wait out the server's pushback.
+
+    The pushback is ``retry-pushback-ms`` as :func:`bcd.wire.parse_pushback` reads it:
+    at most :data:`bcd.wire.MAX_PUSHBACK_MS`, and absent when it does not parse.
+    """
     rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
     delay = BACKOFF_FIRST_S
     for attempt in range(1, attempts + 1):
@@ -320,7 +324,8 @@ async def join(
             return Joined(identity_of(body, key_kind), body, signed)
         if body["kind"] == "pending":
             wait = body.get("retry_after_s", 1)
-            wait = max(1, wait) if isinstance(wait, int) else 1
+            ok = isinstance(wait, int) and not isinstance(wait, bool)
+            wait = min(max(1, wait), MAX_PENDING_WAIT_S) if ok else 1
             print(
                 f"waiting for approval of join request {body.get('request_id', '?')}; "
                 f"asking again in {wait} s",

@@ -19,8 +19,8 @@ renewal under ``[helper]`` with ``[tpm] mode`` auto or required):
 :func:`renewal_task` sleeps until :func:`renew_at`, renews, and reschedules; a failed
 renewal is logged as ``renewal failed`` with the attempt and ``expiresIn`` and retried
 after 30 s, doubling to 10 minutes, or exactly after the gateway's
-``retry-pushback-ms``. :class:`~bcd.errors.CertificateRevoked` (the gateway answered
-UNAUTHENTICATED) ends the task. A replaced key is held by :class:`OldKeys` for 5
+``retry-pushback-ms`` (at most 5 minutes). :class:`~bcd.errors.CertificateRevoked`
+(the gateway answered UNAUTHENTICATED) ends the task. A replaced key is held by :class:`OldKeys` for 5
 minutes, then dropped. Time comes from trio's clock (sleeps) and an injected wall
 clock (certificate times), so tests run it under ``MockClock``.
 """
@@ -453,7 +453,8 @@ def renew_answer(resp: Response) -> str:
 
     UNAUTHENTICATED is :class:`~bcd.errors.CertificateRevoked`; UNAVAILABLE and
     RESOURCE_EXHAUSTED are :class:`~bcd.errors.RetryableError` with the
-    ``retry-pushback-ms`` wait; ACCESS_DENIED and the rest are
+    ``retry-pushback-ms`` wait (:func:`bcd.wire.parse_pushback`: at most 5 minutes,
+    absent when it does not parse); ACCESS_DENIED and the rest are
     :class:`~bcd.errors.JoinError` (the renewal task retries those too).
     """
     if resp.status == 200:
@@ -464,8 +465,7 @@ def renew_answer(resp: Response) -> str:
     if err.code == "UNAUTHENTICATED":
         raise CertificateRevoked(REVOKED)
     if err.code in wire.RETRYABLE:
-        pushback = resp.headers.get("retry-pushback-ms", "").strip()
-        wait = int(pushback) / 1000 if pushback.isdigit() and len(pushback) <= 9 else None
+        wait = wire.parse_pushback(resp.headers.get("retry-pushback-ms"))
         raise RetryableError(f"{err.code}: {err.message}", wait)
     if err.code == "ACCESS_DENIED":
         raise JoinError(REFUSED)
@@ -621,6 +621,7 @@ async def renewal_task(
                 keys.retire(held_key(state), trio.current_time())
                 attempt = 0
                 continue
+            log.info("renewal: next attempt in %.1f s", wait, extra={"waitSeconds": wait})
             await _pause(wait, keys, log)
             continue
         set_state(new)

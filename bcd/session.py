@@ -3,7 +3,10 @@
 The session is opened with the current certificate (read from the state holder
 at every dial, so a renewed key is used from the next connection on). A broken
 session is redialled with backoff (1 s doubling to 60 s, reset once a welcome
-arrives). A RevocationNotice is logged as ``certificate revoked`` with its reason
+arrives), never sooner than a retryable answer's ``retry-pushback-ms`` (capped
+at 5 minutes, :func:`bcd.wire.parse_pushback`). An error answer is read only up
+to 64 KiB, and lines that are not JSON objects are skipped (logged once per
+session). A RevocationNotice is logged as ``certificate revoked`` with its reason
 and raised as :class:`~bcd.errors.CertificateRevoked`, which stops the agent: it
 never redials with that certificate. An UNAUTHENTICATED answer at session open
 means the gateway no longer accepts the certificate, and stops the agent the same
@@ -15,8 +18,9 @@ from __future__ import annotations
 import json
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any, NoReturn
 
 import trio
 
@@ -25,7 +29,7 @@ from bcd.config import Config, gateway_host_port
 from bcd.errors import CertificateRevoked, TransportError
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
-from bcd.httpclient import Response, open_lines, request
+from bcd.httpclient import Response, open_lines, read_rest, request
 from bcd.identity import AnyState, LoadedTpmState
 from bcd.keys.file import key_to_pem
 from bcd.tls import connect_pinned
@@ -36,6 +40,7 @@ log = logging.getLogger("bcd.session")
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 IDLE_TIMEOUT_S = 50.0  # three pings missed and a bit
+ERROR_BODY_MAX = 64 * 1024  # an error answer is one small JSON object
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +107,7 @@ async def _one_session(
     )
     welcomed = False
     try:
-        status, _headers, lines = await open_lines(
+        status, headers, lines = await open_lines(
             stream,
             "POST",
             "/v1/session",
@@ -113,27 +118,25 @@ async def _one_session(
         )
         try:
             if status != 200:
-                first = b"".join([line async for line in lines])
-                err = wire.parse_error(first)
-                if status == 401 or (err is not None and err.code == "UNAUTHENTICATED"):
-                    raise CertificateRevoked(
-                        "the gateway no longer accepts this node's certificate"
-                    )
-                raise TransportError(f"the gateway refused the session (HTTP {status})")
+                await _refused(status, headers, lines, cfg.server_name)
+            warned = False
             async for line in lines:
-                try:
-                    msg = json.loads(line)
-                except ValueError:
-                    log.warning("session: the gateway sent a line that is not JSON")
+                msg = _message(line)
+                if msg is None:
+                    if not warned:  # once per session: a hostile stream cannot flood the log
+                        log.warning("session: the gateway sent a line that is not a JSON object")
+                        warned = True
                     continue
-                kind = msg.get("type") if isinstance(msg, dict) else None
+                kind = msg.get("type")
                 if kind == "welcome":
                     welcomed = True
-                    log.info("session open (%s)", msg.get("session_id"))
+                    log.info("session open (%s)", _text(msg.get("session_id"), "?"))
                 elif kind == "revocation":
-                    reason = str(msg.get("reason", "revoked"))[:200]
+                    reason = _text(msg.get("reason"), "revoked")
                     log.error(
-                        "certificate revoked (reason: %s, serial %s)", reason, msg.get("serial")
+                        "certificate revoked (reason: %s, serial %s)",
+                        reason,
+                        _text(msg.get("serial"), "?"),
                     )
                     raise CertificateRevoked(reason)
         finally:
@@ -141,6 +144,50 @@ async def _one_session(
     finally:
         await stream.aclose()
     return welcomed
+
+
+class SessionRefused(TransportError):
+    """The gateway answered the session with an error; ``pushback_s`` its capped wait."""
+
+    def __init__(self, message: str, pushback_s: float | None = None) -> None:
+        super().__init__(message)
+        self.pushback_s = pushback_s
+
+
+def _message(line: bytes) -> dict[str, Any] | None:
+    """A session line as a JSON object, or ``None`` for anything else."""
+    try:
+        msg = json.loads(line)
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+        return None
+    return msg if isinstance(msg, dict) else None
+
+
+def _text(value: object, default: str) -> str:
+    """A string field of a gateway message for a log line: at most 200 characters,
+    escaped to printable ASCII (a newline cannot forge a log line)."""
+    if not isinstance(value, str) or not value:
+        return default
+    return value[:200].encode("unicode_escape").decode("ascii")
+
+
+async def _refused(
+    status: int, headers: dict[str, str], lines: AsyncIterator[bytes], host: str
+) -> NoReturn:
+    """Judge a session answer other than 200; its body is read only up to 64 KiB."""
+    try:
+        body = await read_rest(lines, host, limit=ERROR_BODY_MAX)
+    except TransportError:  # too long, too slow or broken: judged by the status alone
+        body = b""
+    err = wire.parse_error(body)
+    if status == 401 or (err is not None and err.code == "UNAUTHENTICATED"):
+        raise CertificateRevoked("the gateway no longer accepts this node's certificate")
+    if err is not None and err.code in wire.RETRYABLE:
+        raise SessionRefused(
+            f"the gateway refused the session (HTTP {status}, {err.code})",
+            wire.parse_pushback(headers.get("retry-pushback-ms")),
+        )
+    raise SessionRefused(f"the gateway refused the session (HTTP {status})")
 
 
 async def session_task(
@@ -161,7 +208,12 @@ async def session_task(
             reason = "the gateway closed the session"
         except (TransportError, HelperError) as exc:
             reason = str(exc)
+            pushback = exc.pushback_s if isinstance(exc, SessionRefused) else None
+        else:
+            pushback = None
         wait = delay * (0.5 + rng.random() / 2)
+        if pushback is not None:  # never sooner than the gateway asked (capped at 5 min)
+            wait = max(wait, pushback)
         log.warning("session lost (%s); reconnecting in %.1f s", reason, wait)
         await trio.sleep(wait)
         delay = min(delay * 2, BACKOFF_MAX_S)

@@ -62,7 +62,7 @@ def vouch_answer(status: int, body: bytes, pushback_ms: str = "") -> dict[str, A
     if err.code == "UNAUTHENTICATED":
         raise CertificateRevoked("this site agent's certificate is not live (revoked or expired)")
     if err.code in wire.RETRYABLE:
-        wait = int(pushback_ms) / 1000 if pushback_ms.isdigit() and len(pushback_ms) <= 9 else None
+        wait = wire.parse_pushback(pushback_ms)
         later = f"; ask again in {wait:.0f} s" if wait is not None else "; ask again later"
         raise RetryableError(f"{err.code}: {err.message}{later}", wait)
     raise JoinError(f"the vouch was refused: {err.code}: {err.message}")

@@ -18,6 +18,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cryptography import x509
+from cryptography.exceptions import UnsupportedAlgorithm
+from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwcrypto import jwe, jwk
 from jwcrypto.common import JWException
@@ -26,6 +29,12 @@ from bcd import pki
 
 PROTOCOL_VERSION = 1
 MAX_BODY = 64 * 1024
+MAX_SIGNED_RESPONSE = 256 * 1024
+"""The largest SignedResponse the node verifies (a header with a full ``x5c`` fits)."""
+MAX_X5C_CERTS = 4
+MAX_X5C_CERT_DER = 8 * 1024
+MAX_PUSHBACK_MS = 300_000
+"""The longest ``retry-pushback-ms`` the node waits out (5 minutes); longer is capped."""
 SEAL_TYP = "bcjt+jwe"
 SEAL_MAX_SKEW_S = 300
 TOKEN_RE = re.compile(r"^bcjt_(jt_[0-9a-z]{26})\.([A-Za-z0-9_-]{43})$")
@@ -445,24 +454,102 @@ def _sealed_token(plaintext: bytes) -> JoinToken:
 RESPONSE_KINDS = ("joined", "challenge", "pending", "renewed")
 
 
-def sign_response(body: dict[str, Any], key: ec.EllipticCurvePrivateKey) -> str:
-    """A compact JWS over ``body``; the header carries the public key and its pin."""
+def sign_response(
+    body: dict[str, Any],
+    key: ec.EllipticCurvePrivateKey,
+    *,
+    x5c: Sequence[x509.Certificate] = (),
+    include_jwk: bool = True,
+) -> str:
+    """A compact JWS over ``body``; the header carries the public key and its pin.
+
+    The key rides as ``jwk`` and, when ``x5c`` is given (the signing certificate
+    first), as that certificate chain too; ``include_jwk=False`` leaves ``jwk`` out.
+    """
     public = key.public_key()
-    header = {"alg": "ES256", "kid": pki.spki_pin(public), "jwk": public_jwk_of(public)}
+    header: dict[str, Any] = {"alg": "ES256", "kid": pki.spki_pin(public)}
+    if include_jwk:
+        header["jwk"] = public_jwk_of(public)
+    if x5c:
+        header["x5c"] = [
+            base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode("ascii")
+            for cert in x5c
+        ]
     signing_input = pki.b64url(dumps(header)) + "." + pki.b64url(dumps(body))
     return signing_input + "." + pki.b64url(pki.sign_p1363(key, signing_input.encode("ascii")))
 
 
+_X5C_B64_MAX = (MAX_X5C_CERT_DER + 2) // 3 * 4
+
+
+def public_key_of_x5c(value: object) -> ec.EllipticCurvePublicKey:
+    """The P-256 key of the first certificate of a JWS ``x5c`` (base64 DER, leaf first).
+
+    At most :data:`MAX_X5C_CERTS` certificates of at most :data:`MAX_X5C_CERT_DER`
+    bytes each, every one of which must parse. Only the leaf's key is used: the node
+    trusts it by its pin alone, so the rest of the chain is not verified.
+    """
+    if not isinstance(value, list) or not 1 <= len(value) <= MAX_X5C_CERTS:
+        raise WireError(f"x5c must be a list of 1 to {MAX_X5C_CERTS} certificates")
+    certs: list[x509.Certificate] = []
+    too_big = f"x5c holds a certificate over {MAX_X5C_CERT_DER} bytes"
+    for item in value:
+        if not isinstance(item, str):
+            raise WireError("x5c holds something that is not base64")
+        if len(item) > _X5C_B64_MAX:
+            raise WireError(too_big)
+        try:
+            der = base64.b64decode(item, validate=True)
+        except (binascii.Error, ValueError) as exc:
+            raise WireError("x5c holds something that is not base64") from exc
+        if len(der) > MAX_X5C_CERT_DER:
+            raise WireError(too_big)
+        try:
+            certs.append(x509.load_der_x509_certificate(der))
+        except ValueError as exc:
+            raise WireError("x5c holds something that is not a DER certificate") from exc
+    try:
+        key = certs[0].public_key()
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # unsupported or malformed
+        raise WireError("the x5c certificate's key is not a P-256 key") from exc
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
+        raise WireError("the x5c certificate's key is not a P-256 key")
+    return key
+
+
+def signing_key_of_header(header: dict[str, Any]) -> ec.EllipticCurvePublicKey:
+    """The key a SignedResponse's protected header names: ``jwk``, ``x5c`` or both.
+
+    With both, they must be the same key.
+    """
+    has_jwk, has_x5c = "jwk" in header, "x5c" in header
+    if not has_jwk and not has_x5c:
+        raise WireError("the response header carries no signing key (jwk or x5c)")
+    from_jwk = public_key_of_jwk(header["jwk"]) if has_jwk else None
+    from_x5c = public_key_of_x5c(header["x5c"]) if has_x5c else None
+    if from_jwk is None:
+        assert from_x5c is not None
+        return from_x5c
+    if from_x5c is not None and pki.spki_der(from_jwk) != pki.spki_der(from_x5c):
+        raise WireError("the response header's jwk and x5c name different keys")
+    return from_jwk
+
+
 def verify_response(jws: str, signing_key_pin: str) -> dict[str, Any]:
-    """Verify a SignedResponse under the pinned join-signing key; return its body."""
-    if not isinstance(jws, str) or jws.count(".") != 2 or len(jws) > MAX_BODY:
+    """Verify a SignedResponse under the pinned join-signing key; return its body.
+
+    The key comes from the protected header's ``jwk`` or ``x5c``
+    (:func:`signing_key_of_header`) and is trusted only when its SPKI pin is
+    ``signing_key_pin``.
+    """
+    if not isinstance(jws, str) or jws.count(".") != 2 or len(jws) > MAX_SIGNED_RESPONSE:
         raise WireError("the response is not a compact JWS")
     h64, b64, s64 = jws.split(".")
     try:
         header = json.loads(pki.b64url_decode(h64))
         if not isinstance(header, dict) or header.get("alg") != "ES256":
             raise WireError("the response is not ES256")
-        key = public_key_of_jwk(header.get("jwk"))
+        key = signing_key_of_header(header)
         if not pki.pins_equal(pki.spki_pin(key), signing_key_pin):
             raise WireError("the response is not signed by the pinned join-signing key")
         pki.verify_p1363(key, pki.b64url_decode(s64), f"{h64}.{b64}".encode("ascii"))
@@ -514,7 +601,6 @@ def parse_error(data: bytes) -> ErrorBody | None:
     return None
 
 
-MAX_PUSHBACK_MS = 300_000
 _PUSHBACK = re.compile(r"[0-9]{1,9}")
 
 
