@@ -535,7 +535,9 @@ def signing_key_of_header(header: dict[str, Any]) -> ec.EllipticCurvePublicKey:
     return from_jwk
 
 
-def verify_response(jws: str, signing_key_pin: str) -> dict[str, Any]:
+def verify_response(
+    jws: str, signing_key_pin: str, kinds: Sequence[str] = RESPONSE_KINDS
+) -> dict[str, Any]:
     """Verify a SignedResponse under the pinned join-signing key; return its body.
 
     The key comes from the protected header's ``jwk`` or ``x5c``
@@ -558,7 +560,7 @@ def verify_response(jws: str, signing_key_pin: str) -> dict[str, Any]:
         if isinstance(exc, WireError):
             raise
         raise WireError("the response signature does not verify") from exc
-    if not isinstance(body, dict) or body.get("kind") not in RESPONSE_KINDS:
+    if not isinstance(body, dict) or body.get("kind") not in kinds:
         raise WireError("the response has no known kind")
     return body
 
@@ -654,7 +656,7 @@ def verify_revocation_notice(
     with control characters replaced, so it can reach a log line as it is."""
     if not isinstance(jws, str):
         raise WireError("the revocation notice is missing")
-    body = verify_response(jws, signing_key_pin)
+    body = verify_response(jws, signing_key_pin, (NOTICE_KIND,))
     if body.get("kind") != NOTICE_KIND:
         raise WireError("not a revocation notice")
     serial, at, reason = body.get("serial"), body.get("revoked_at"), body.get("reason")

@@ -491,7 +491,7 @@ async def test_line_too_long(server: Server) -> None:
 
 
 async def test_idle_connection_is_closed(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(http, "IDLE_TIMEOUT", 0.2)
+    monkeypatch.setattr(http, "FIRST_REQUEST_TIMEOUT", 0.2)  # a new connection that sends nothing
     stream = await _connect(server)
     try:
         with trio.fail_after(5):
