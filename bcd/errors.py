@@ -61,6 +61,11 @@ class IdentityError(BcdError):
     """Raised when the identity in the data directory does not load."""
 
 
+class IdentityExpired(IdentityError):
+    """Raised by the agent when its certificate expired (a renewal could not be made in
+    time): it stops with the way back, as bcd doctor reports it."""
+
+
 class JoinError(BcdError):
     """Raised when the join is refused or its answer does not verify."""
 
@@ -71,6 +76,16 @@ class RetryableError(JoinError):
     def __init__(self, message: str, pushback_s: float | None = None) -> None:
         super().__init__(message)
         self.pushback_s = pushback_s
+
+
+class GatewayUnauthenticated(RetryableError):
+    """Raised when the gateway answers UNAUTHENTICATED; ``notice`` is the signed
+    RevocationNotice it sent with it (None when it sent none). Only a notice that
+    verifies makes it a :class:`CertificateRevoked` (:mod:`bcd.revocation`)."""
+
+    def __init__(self, message: str, notice: object = None) -> None:
+        super().__init__(message)
+        self.notice = notice
 
 
 class CertificateRevoked(BcdError):

@@ -41,7 +41,15 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki, wire
 from bcd.config import Config, TpmMode
-from bcd.errors import BcdError, CertificateRevoked, IdentityError, JoinError, RetryableError
+from bcd.errors import (
+    BcdError,
+    CertificateRevoked,
+    GatewayUnauthenticated,
+    IdentityError,
+    IdentityExpired,
+    JoinError,
+    RetryableError,
+)
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
 from bcd.httpclient import Response
@@ -61,6 +69,7 @@ from bcd.identity import (
 )
 from bcd.join import check_issued, verify_signed
 from bcd.keys.file import generate_file_key, key_to_pem
+from bcd.revocation import expired, judge_unauthenticated
 from bcd.session import post_as_node
 from bcd.tpm.attestation import KeyAttestation, ak_statement, ak_statements
 from bcd.tpm.record import NodeKeyRecord, create_node_key_record
@@ -463,13 +472,22 @@ def renew_answer(resp: Response) -> str:
     if err is None:
         raise RetryableError(f"the gateway answered HTTP {resp.status}")
     if err.code == "UNAUTHENTICATED":
-        raise CertificateRevoked(REVOKED)
+        raise GatewayUnauthenticated(REVOKED, _notice_in(resp.body))
     if err.code in wire.RETRYABLE:
         wait = wire.parse_pushback(resp.headers.get("retry-pushback-ms"))
         raise RetryableError(f"{err.code}: {err.message}", wait)
     if err.code == "ACCESS_DENIED":
         raise JoinError(REFUSED)
     raise JoinError(f"the renewal failed: {err.code}: {err.message}")
+
+
+def _notice_in(body: bytes) -> object:
+    """The signed RevocationNotice an UNAUTHENTICATED answer carries, if any."""
+    try:
+        obj = wire.loads_object(body, 64 * 1024)
+    except wire.WireError:
+        return None
+    return obj.get("notice")
 
 
 def gateway_renew_sender(cfg: Config, state: AnyState, tpm: HelperKeys | None = None) -> Sender:
@@ -592,6 +610,9 @@ async def renewal_task(
     attempt = 0
     while True:
         state = get_state()
+        gone = expired(state, datetime.fromtimestamp(wall(), UTC))
+        if gone is not None:  # no renewal can succeed now: stop with the way back
+            raise gone
         if attempt == 0:
             info = state.leaf_info
             remaining = renew_at(info.not_before, info.not_after, fraction).timestamp() - wall()
@@ -613,6 +634,17 @@ async def renewal_task(
             )
         except CertificateRevoked:
             raise
+        except GatewayUnauthenticated as exc:
+            # revoked only on a notice signed where it was revoked; expired: stop
+            verdict = judge_unauthenticated(
+                exc.notice, signing_pin, state, datetime.fromtimestamp(wall(), UTC)
+            )
+            if isinstance(verdict, CertificateRevoked | IdentityExpired):
+                raise verdict from exc
+            wait = _failed(state, verdict, attempt, wall, log)
+            log.info("renewal: next attempt in %.1f s", wait, extra={"waitSeconds": wait})
+            await _pause(wait, keys, log)
+            continue
         except BcdError as exc:
             wait = _failed(state, exc, attempt, wall, log)
             if isinstance(exc, IdentityError) and await _adopt_disk_state(

@@ -20,18 +20,20 @@ import logging
 import random
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from typing import Any, NoReturn
 
 import trio
 
 from bcd import __version__, wire
 from bcd.config import Config, gateway_host_port
-from bcd.errors import CertificateRevoked, TransportError
+from bcd.errors import CertificateRevoked, IdentityExpired, TransportError
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
 from bcd.httpclient import Response, open_lines, read_rest, request
 from bcd.identity import AnyState, LoadedTpmState
 from bcd.keys.file import key_to_pem
+from bcd.revocation import judge_unauthenticated, revoked_by
 from bcd.tls import connect_pinned
 from bcd.tls_signer import connect_with_signer
 
@@ -118,7 +120,7 @@ async def _one_session(
         )
         try:
             if status != 200:
-                await _refused(status, headers, lines, cfg.server_name)
+                await _refused(status, headers, lines, cfg, state)
             warned = False
             async for line in lines:
                 msg = _message(line)
@@ -132,13 +134,14 @@ async def _one_session(
                     welcomed = True
                     log.info("session open (%s)", _text(msg.get("session_id"), "?"))
                 elif kind == "revocation":
-                    reason = _text(msg.get("reason"), "revoked")
-                    log.error(
-                        "certificate revoked (reason: %s, serial %s)",
-                        reason,
-                        _text(msg.get("serial"), "?"),
+                    # only a notice signed where the revocation was made stops the node
+                    revoked = revoked_by(msg.get("notice"), cfg.join_signing_key_pin, state)
+                    if revoked is not None:
+                        raise revoked
+                    raise SessionRefused(
+                        "the gateway sent a revocation without a valid signed notice "
+                        f"(reason {_text(msg.get('reason'), '?')}); reconnecting"
                     )
-                    raise CertificateRevoked(reason)
         finally:
             await lines.aclose()
     finally:
@@ -172,22 +175,37 @@ def _text(value: object, default: str) -> str:
 
 
 async def _refused(
-    status: int, headers: dict[str, str], lines: AsyncIterator[bytes], host: str
+    status: int,
+    headers: dict[str, str],
+    lines: AsyncIterator[bytes],
+    cfg: Config,
+    state: AnyState,
 ) -> NoReturn:
     """Judge a session answer other than 200; its body is read only up to 64 KiB."""
     try:
-        body = await read_rest(lines, host, limit=ERROR_BODY_MAX)
+        body = await read_rest(lines, cfg.server_name, limit=ERROR_BODY_MAX)
     except TransportError:  # too long, too slow or broken: judged by the status alone
         body = b""
     err = wire.parse_error(body)
     if status == 401 or (err is not None and err.code == "UNAUTHENTICATED"):
-        raise CertificateRevoked("the gateway no longer accepts this node's certificate")
+        verdict = judge_unauthenticated(
+            _notice_in(body), cfg.join_signing_key_pin, state, datetime.now(UTC)
+        )
+        if isinstance(verdict, CertificateRevoked | IdentityExpired):
+            raise verdict
+        raise SessionRefused(str(verdict))
     if err is not None and err.code in wire.RETRYABLE:
         raise SessionRefused(
             f"the gateway refused the session (HTTP {status}, {err.code})",
             wire.parse_pushback(headers.get("retry-pushback-ms")),
         )
     raise SessionRefused(f"the gateway refused the session (HTTP {status})")
+
+
+def _notice_in(body: bytes) -> object:
+    """The ``notice`` field of an error answer (the signed RevocationNotice), if any."""
+    msg = _message(body)
+    return msg.get("notice") if msg is not None else None
 
 
 async def session_task(

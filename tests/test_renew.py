@@ -28,6 +28,8 @@ from bcd.config import Config
 from bcd.errors import (
     BcdError,
     CertificateRevoked,
+    GatewayUnauthenticated,
+    IdentityExpired,
     JoinError,
     RetryableError,
     TransportError,
@@ -198,8 +200,9 @@ def _resp(status: int, body: object, **headers: str) -> Response:
 
 def test_gateway_answers_are_mapped() -> None:
     assert renew_answer(_resp(200, b"a.b.c")) == "a.b.c"
-    with pytest.raises(CertificateRevoked, match="revoked or unknown"):
-        renew_answer(_resp(401, {"code": "UNAUTHENTICATED", "message": "no"}))
+    with pytest.raises(GatewayUnauthenticated, match="revoked or unknown") as unauth:
+        renew_answer(_resp(401, {"code": "UNAUTHENTICATED", "message": "no", "notice": "n"}))
+    assert unauth.value.notice == "n"  # judged by the renewal task (bcd.revocation)
     with pytest.raises(RetryableError) as info:
         renew_answer(
             _resp(
@@ -543,22 +546,49 @@ async def test_a_bug_is_not_swallowed(
         await _run(holder, gateway, memory_pki)
 
 
-async def test_an_expired_certificate_keeps_failing_with_the_way_back(
+async def test_an_expired_certificate_stops_the_renewal_with_the_way_back(
+    tmp_path: Path,
+    memory_pki: Pki,
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    holder = Holder(joined_state(tmp_path, memory_pki, wall() - 2 * TTL_S))
+    gateway = FakeGateway(memory_pki, tmp_path, failures=[JoinError(REFUSED)])
+    with pytest.raises(IdentityExpired, match="bcd join --reset --yes, then bcd join"):
+        await _run(holder, gateway, memory_pki)
+    assert gateway.calls == []  # no renewal can succeed: nothing was sent
+
+
+async def test_unauthenticated_stops_the_renewal_only_with_a_signed_notice(
     tmp_path: Path,
     memory_pki: Pki,
     autojump_clock: trio.testing.MockClock,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    holder = Holder(joined_state(tmp_path, memory_pki, wall() - 2 * TTL_S))
-    gateway = FakeGateway(
-        memory_pki, tmp_path, failures=[JoinError(REFUSED), CertificateRevoked("x")]
+    state = joined_state(tmp_path, memory_pki, wall())
+    unsigned = GatewayUnauthenticated("no", notice=None)
+    forged = GatewayUnauthenticated(
+        "no",
+        notice=wire.sign_response(
+            wire.revocation_notice_body(state.identity.node_id, state.leaf_info.serial_hex, "x", 0),
+            pki.generate_key(),
+        ),
     )
-    caplog.set_level(logging.WARNING, logger=LOG.name)
-    with pytest.raises(CertificateRevoked):
-        await _run(holder, gateway, memory_pki)
-    (record,) = [r for r in caplog.records if r.getMessage().startswith("renewal failed")]
-    assert record.expiresIn.startswith("-")  # type: ignore[attr-defined]
-    assert "bcd join --reset --yes" in record.getMessage()
+    signed = GatewayUnauthenticated(
+        "no",
+        notice=wire.sign_response(
+            wire.revocation_notice_body(
+                state.identity.node_id, state.leaf_info.serial_hex, "key compromised", 0
+            ),
+            memory_pki.join_signing_key,
+        ),
+    )
+    holder = Holder(state)
+    gateway = FakeGateway(memory_pki, tmp_path, failures=[unsigned, forged, signed])
+    caplog.set_level(logging.INFO, logger=LOG.name)
+    with pytest.raises(CertificateRevoked, match="key compromised"):
+        await _run(holder, gateway, memory_pki, fraction=0.01)
+    failed = [r for r in caplog.records if r.getMessage().startswith("renewal failed")]
+    assert len(failed) == 2  # the unsigned and the forged answers were retried
 
 
 # --- the old key: held 5 minutes, then unloaded ---------------------------------------
@@ -716,7 +746,7 @@ async def test_gateway_refusals_over_mutual_tls(
     state = joined_state(tmp_path, memory_pki, time.time())
     send = gateway_renew_sender(cfg, state)
     gateway.answer = "unauthenticated"
-    with pytest.raises(CertificateRevoked):
+    with pytest.raises(GatewayUnauthenticated):
         await renew_once(state, send, signing_pin=cfg.join_signing_key_pin, wall=time.time)
     gateway.answer = "busy"
     with pytest.raises(RetryableError) as info:

@@ -25,6 +25,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 import trio
+from cryptography import x509
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki, wire
 from control.pki import Pki, make_gateway_cert, server_ssl_context
@@ -409,3 +411,27 @@ def assert_clean(child: Child, text: str) -> None:
     assert "Traceback" not in text, text[-4000:]
     assert "internal error" not in text, text[-4000:]
     assert child.returncode != 70, text[-4000:]
+
+
+def revocation_stream(
+    memory_pki: Pki, data_dir: Path, *, signing_key: ec.EllipticCurvePrivateKey | None = None
+) -> Responder:
+    """A session that sends a welcome, then a revocation of the node's own certificate
+    (read from ``data_dir`` when the session arrives) with a notice signed by
+    ``signing_key`` (default: the PKI's join-signing key, so it verifies)."""
+
+    async def respond(stream: Tls, req: Request) -> None:
+        ident = json.loads((data_dir / "identity.json").read_text())
+        serial = format(
+            x509.load_pem_x509_certificates(ident["chain"].encode())[0].serial_number, "x"
+        )
+        body = wire.revocation_notice_body(ident["node_id"], serial, "key compromised", 0)
+        notice = wire.sign_response(body, signing_key or memory_pki.join_signing_key)
+        lines = [
+            b'{"type": "welcome", "session_id": "s1"}\n',
+            json.dumps({"type": "revocation", "reason": "key compromised", "serial": serial,
+                        "notice": notice}).encode() + b"\n",
+        ]  # fmt: skip
+        await stream_lines(200, lines)(stream, req)
+
+    return respond

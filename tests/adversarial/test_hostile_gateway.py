@@ -391,15 +391,18 @@ async def test_bcd_node_session_treats_a_bad_pushback_as_absent(
     assert child.returncode == 0
 
 
-async def test_bcd_node_an_endless_unauthenticated_answer_stops_it_as_revoked(
+async def test_bcd_node_an_endless_unauthenticated_answer_without_a_notice_does_not_stop_it(
     tmp_path: Path, memory_pki: Pki
 ) -> None:
     routes = {"/v1/session": hostile.endless_chunked(401), "/v1/renew": QUIET}
-    child, text, _ = await _run_node(tmp_path, memory_pki, routes)
+    child, text, running = await _run_node(
+        tmp_path, memory_pki, routes, ["sent no valid signed revocation notice"]
+    )
 
     assert_clean(child, text)
-    assert child.returncode == 1
-    assert one_line_error(text) == NODE_REVOKED
+    assert running  # a gateway's word alone does not stop the node
+    assert child.returncode == 0  # stopped by the test's SIGTERM
+    assert NODE_REVOKED not in text
 
 
 async def test_bcd_node_skips_malformed_session_lines(tmp_path: Path, memory_pki: Pki) -> None:
@@ -414,7 +417,9 @@ async def test_bcd_node_skips_malformed_session_lines(tmp_path: Path, memory_pki
         b'{"type": "revocation", "reason": {"not": ["a", "string"]}, "serial": 12}\n',
     ]
     routes = {"/v1/session": hostile.stream_lines(200, lines), "/v1/renew": QUIET}
-    child, text, _ = await _run_node(tmp_path, memory_pki, routes)
+    child, text, running = await _run_node(
+        tmp_path, memory_pki, routes, ["a revocation without a valid signed notice"]
+    )
 
     assert_clean(child, text)
     assert text.count("the gateway sent a line that is not a JSON object") == 1
@@ -422,9 +427,35 @@ async def test_bcd_node_skips_malformed_session_lines(tmp_path: Path, memory_pki
     assert "session open (s-\\x07\\nforged: x-" + "z" * 186 + ")\n" in text
     assert "\x07" not in text
     assert "\nforged" not in text
-    assert "certificate revoked (reason: revoked, serial ?)" in text
+    assert running  # an unsigned revocation is a broken session, not a revocation
+    assert NODE_REVOKED not in text
+
+
+async def test_bcd_node_stops_on_a_signed_revocation_notice_only(
+    tmp_path: Path, memory_pki: Pki
+) -> None:
+    forged = {
+        "/v1/session": hostile.revocation_stream(
+            memory_pki, tmp_path / "forged" / "data", signing_key=pki.generate_key()
+        ),
+        "/v1/renew": QUIET,
+    }
+    child, text, running = await _run_node(
+        tmp_path / "forged", memory_pki, forged, ["a revocation without a valid signed notice"]
+    )
+    assert_clean(child, text)
+    assert running
+    assert "not signed by the pinned join-signing key" in text
+
+    signed = {
+        "/v1/session": hostile.revocation_stream(memory_pki, tmp_path / "signed" / "data"),
+        "/v1/renew": QUIET,
+    }
+    child, text, _running = await _run_node(tmp_path / "signed", memory_pki, signed)
+    assert_clean(child, text)
     assert child.returncode == 1
     assert one_line_error(text) == NODE_REVOKED
+    assert "certificate revoked (reason: key compromised" in text
 
 
 RENEWAL_FAILED = re.compile(r"renewal failed \(attempt 1, expiresIn [^)]*\): (.*)")
