@@ -546,28 +546,45 @@ class OldKeys:
         """The trio time at which the next key goes, if one is held."""
         return min((due for due, _ in self._held), default=None)
 
-    def unload_due(self, now: float) -> int:
-        """Drop every key whose time has come; return how many went."""
+    def unload_due(self, now: float) -> list[HeldKey]:
+        """Drop every key whose time has come; return them."""
         going = [key for due, key in self._held if due <= now]
         self._held = [(due, key) for due, key in self._held if due > now]
         for key in going:
             if self._on_unload is not None:
                 self._on_unload(key)
-        return len(going)
+        return going
 
 
-async def _pause(seconds: float, old_keys: OldKeys, log: logging.Logger) -> None:
-    """Sleep ``seconds`` of trio time, waking to unload old keys when they are due."""
+async def _pause(
+    seconds: float, old_keys: OldKeys, log: logging.Logger, tpm: HelperKeys | None = None
+) -> None:
+    """Sleep ``seconds`` of trio time, waking to unload old keys when they are due; a
+    TPM-held one is released in ``bcd helper`` (``tpm.release``), as the seed says."""
     end = trio.current_time() + max(seconds, 0.0)
     while True:
-        if old_keys.unload_due(trio.current_time()):
+        going = old_keys.unload_due(trio.current_time())
+        if going:
             log.info("the previous node key was unloaded")
+        for key in going:
+            if isinstance(key, NodeKeyRecord) and tpm is not None:
+                await _release(tpm, key, log)
         due = old_keys.next_due()
         wake = end if due is None else min(end, due)
         if trio.current_time() >= end:
             await trio.lowlevel.checkpoint()
             return
         await trio.sleep_until(wake)
+
+
+async def _release(tpm: HelperKeys, record: NodeKeyRecord, log: logging.Logger) -> None:
+    tpm.forget(record)
+    try:
+        await tpm.client.release(record)
+    except HelperError as exc:  # the helper holds nothing between calls: only logged
+        log.warning("bcd helper did not release the previous node key: %s", exc)
+    else:
+        log.info("the previous node key was released in bcd helper")
 
 
 # --- the task ---------------------------------------------------------------------
@@ -617,7 +634,7 @@ async def renewal_task(
             info = state.leaf_info
             remaining = renew_at(info.not_before, info.not_after, fraction).timestamp() - wall()
             if remaining > _DUE_SLACK_S:
-                await _pause(min(remaining, MAX_NAP_S), keys, log)
+                await _pause(min(remaining, MAX_NAP_S), keys, log, tpm)
                 continue
         attempt += 1
         try:
@@ -643,7 +660,7 @@ async def renewal_task(
                 raise verdict from exc
             wait = _failed(state, verdict, attempt, wall, log)
             log.info("renewal: next attempt in %.1f s", wait, extra={"waitSeconds": wait})
-            await _pause(wait, keys, log)
+            await _pause(wait, keys, log, tpm)
             continue
         except BcdError as exc:
             wait = _failed(state, exc, attempt, wall, log)
@@ -654,7 +671,7 @@ async def renewal_task(
                 attempt = 0
                 continue
             log.info("renewal: next attempt in %.1f s", wait, extra={"waitSeconds": wait})
-            await _pause(wait, keys, log)
+            await _pause(wait, keys, log, tpm)
             continue
         set_state(new)
         keys.retire(held_key(state), trio.current_time())

@@ -623,11 +623,11 @@ def test_old_keys_holder() -> None:
     keys.retire(a, 10.0)
     keys.retire(b, 100.0)
     assert keys.next_due() == 310.0
-    assert keys.unload_due(309.9) == 0
-    assert keys.unload_due(310.0) == 1
+    assert len(keys.unload_due(309.9)) == 0
+    assert len(keys.unload_due(310.0)) == 1
     assert keys.keys() == (b,)
     assert keys.next_due() == 400.0
-    assert keys.unload_due(1000.0) == 1
+    assert len(keys.unload_due(1000.0)) == 1
     assert len(keys) == 0
 
 

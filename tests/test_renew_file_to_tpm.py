@@ -257,3 +257,50 @@ async def test_the_task_switches_the_state_to_the_tpm_and_goes_on_renewing_there
     assert isinstance(last, LoadedTpmState)
     assert json.loads((tmp_path / "identity.json").read_text())["key"] == "tpm"
     assert NodeKeyRecord.from_json((tmp_path / "node.key").read_bytes()) == last.record
+
+
+async def test_a_replaced_tpm_key_is_released_in_the_helper_after_its_hold(
+    tmp_path: Path,
+    memory_pki: Pki,
+    swtpm: SwTpm,
+    sockdir: Path,
+    slow_autojump_clock: trio.testing.MockClock,
+) -> None:
+    from bcd.renew import OldKeys
+
+    holder: list[LoadedState | LoadedTpmState] = [
+        joined_state(tmp_path, memory_pki, wall() - 0.9 * TTL_S)  # due now
+    ]
+    gateway = FakeGateway(memory_pki, tmp_path, ttl_s=60)
+
+    def on_call(n: int) -> None:
+        if n == 3:
+            gateway.failures.append(CertificateRevoked("stop"))
+
+    gateway.on_call = on_call
+    released: list[NodeKeyRecord] = []
+    async with _helper(sockdir, swtpm.tcti) as tpm:
+        real = tpm.client.release
+
+        async def spy(record: NodeKeyRecord) -> None:
+            released.append(record)
+            await real(record)  # the helper answers it (a real tpm.release)
+
+        tpm.client.release = spy  # type: ignore[method-assign]
+        with pytest.raises(CertificateRevoked):
+            await renewal_task(
+                lambda: holder[-1],
+                holder.append,
+                gateway.factory,
+                signing_pin=pin(memory_pki),
+                wall=wall,
+                log=LOG,
+                tpm=tpm,
+                tpm_mode="auto",
+                old_keys=OldKeys(hold_s=1.0),
+            )
+    first_tpm = holder[1]
+    assert isinstance(first_tpm, LoadedTpmState)
+    # the file key went without a call; the first TPM key, replaced by the second
+    # renewal, was released in the helper once its hold ended
+    assert released == [first_tpm.record]
