@@ -65,6 +65,29 @@ def make_pki(home: Path) -> None:
         assert done.returncode == 0, done.stderr
 
 
+def start_serve(
+    home: Path, args: Sequence[str], env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """``better-compute serve ARGS`` with its log in ``home/serve.log``, once it wrote
+    its ready file (the bound addresses, returned)."""
+    ready = home / "ready.json"
+    log = open(home / "serve.log", "wb")  # noqa: SIM115 - the process owns it
+    proc = subprocess.Popen(
+        [str(BIN / "better-compute"), "serve", *args, "--ready-file", str(ready)],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    deadline = time.monotonic() + 20
+    while not ready.exists():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise RuntimeError("serve did not start: " + (home / "serve.log").read_text())
+        time.sleep(0.02)
+    info: dict[str, Any] = json.loads(ready.read_text())
+    return proc, info
+
+
 @dataclass
 class ControlPlane:
     home: Path
@@ -99,7 +122,6 @@ class ControlPlane:
         cred_file = home / "root.credential"
         cred_file.write_text(credential + "\n")
         cred_file.chmod(0o600)
-        ready = home / "ready.json"
         port = None
         if gateway_url is not None:
             import socket
@@ -107,11 +129,9 @@ class ControlPlane:
             with socket.socket() as probe:
                 probe.bind(("127.0.0.1", 0))
                 port = probe.getsockname()[1]
-        log = open(home / "serve.log", "wb")  # noqa: SIM115 - the process owns it
-        proc = subprocess.Popen(
+        proc, info = start_serve(
+            home,
             [
-                str(BIN / "better-compute"),
-                "serve",
                 "--db",
                 db_url,
                 "--api-listen",
@@ -120,22 +140,11 @@ class ControlPlane:
                 f"127.0.0.1:{port or 0}",
                 "--gateway-san",
                 "127.0.0.1",
-                "--ready-file",
-                str(ready),
                 *(["--gateway-url", gateway_url.format(port=port)] if gateway_url else []),
                 *extra_args,
             ],
-            env=cli_env(home),
-            stdout=log,
-            stderr=subprocess.STDOUT,
+            cli_env(home),
         )
-        deadline = time.monotonic() + 20
-        while not ready.exists():
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                raise RuntimeError("serve did not start: " + (home / "serve.log").read_text())
-            time.sleep(0.02)
-        info = json.loads(ready.read_text())
         return cls(
             home, db_url, proc, info["api"], info.get("gateway_port", 0), root, cred_file, store,
             info,

@@ -11,7 +11,6 @@ network between a gateway and PostgreSQL (cut it).
 from __future__ import annotations
 
 import contextlib
-import json
 import secrets
 import shutil
 import signal
@@ -27,7 +26,7 @@ from urllib.parse import urlsplit
 import psycopg
 
 from tests.conftest import PG_OK, PG_URL
-from tests.e2e import BIN, ControlPlane, cli_env, run
+from tests.e2e import BIN, ControlPlane, cli_env, run, start_serve
 
 GATEWAY_GROUP = "better_compute_gateway"
 
@@ -121,36 +120,16 @@ def start_gateway(
     env: dict[str, str] | None = None,
 ) -> Gateway:
     home.mkdir(parents=True, exist_ok=True)
-    ready = home / "ready.json"
-    log = open(home / "serve.log", "wb")  # noqa: SIM115 - the process owns it
-    proc = subprocess.Popen(
+    proc, info = start_serve(
+        home,
         [
-            str(BIN / "better-compute"),
-            "serve",
-            "--role",
-            "gateway",
-            "--db",
-            db_url,
-            "--gateway-listen",
-            f"127.0.0.1:{port}",
-            "--gateway-dir",
-            str(bundle),
-            "--ready-file",
-            str(ready),
+            "--role", "gateway", "--db", db_url, "--gateway-listen", f"127.0.0.1:{port}",
+            "--gateway-dir", str(bundle),
             *[arg for url in upstreams for arg in ("--api-upstream", url)],
             *extra,
         ],
-        env={**cli_env(home, secret=False), **(env or {})},
-        stdout=log,
-        stderr=subprocess.STDOUT,
-    )
-    deadline = time.monotonic() + 20
-    while not ready.exists():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise RuntimeError("gateway did not start: " + (home / "serve.log").read_text())
-        time.sleep(0.02)
-    info = json.loads(ready.read_text())
+        {**cli_env(home, secret=False), **(env or {})},
+    )  # fmt: skip
     return Gateway(home, proc, int(info["gateway_port"]), info)
 
 
