@@ -37,6 +37,7 @@ import ipaddress
 import os
 import pwd
 import re
+import stat
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,11 +128,31 @@ def load_config(path: Path) -> Config:
         raise ConfigError(f"{path}: larger than {MAX_CONFIG_BYTES} bytes") from exc
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    _check_writers(path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: not UTF-8") from exc
     return parse_config(text, path)
+
+
+def _check_writers(path: Path) -> None:
+    """config.toml holds the pins that decide what bcd trusts (the gateway, join answers,
+    revocation notices): only root or the user running bcd may be able to change it."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
+    if st.st_uid not in (0, os.geteuid()):
+        raise ConfigError(
+            f"{path} is owned by uid {st.st_uid}, not root or this user; it holds the pins "
+            f"bcd trusts: chown root {path}"
+        )
+    if st.st_mode & 0o022:
+        raise ConfigError(
+            f"{path} can be changed by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"it holds the pins bcd trusts: chmod go-w {path}"
+        )
 
 
 def parse_config(text: str, path: Path) -> Config:

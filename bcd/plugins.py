@@ -480,7 +480,7 @@ class Plugins:
         return list(self.owners)
 
     def _call(self, hook: str, owned: str, /, **kwargs: Any) -> Any:
-        owner = self.owners.get(owned)
+        owner = self.owners.get(canonical_name(owned))
         if owner is None:
             return None
         for impl in getattr(self.pm.hook, hook).get_hookimpls():
@@ -519,10 +519,11 @@ def _owners(pm: pluggy.PluginManager, failures: list[PluginFailure]) -> dict[str
         except Exception as exc:  # a broken plugin never takes the host down
             failures.append(PluginFailure(impl.plugin_name, f"{type(exc).__name__}: {exc}"))
             continue
-        for name in names if isinstance(names, list) else []:
-            if isinstance(name, str) and (impl.plugin_name, impl.plugin) not in claims.get(
-                name, []
-            ):
+        for claimed in names if isinstance(names, list) else []:
+            if not isinstance(claimed, str):
+                continue
+            name = canonical_name(claimed)  # "" is join-token: one name, not two
+            if (impl.plugin_name, impl.plugin) not in claims.get(name, []):
                 claims.setdefault(name, []).append((impl.plugin_name, impl.plugin))
     owners: dict[str, object] = {}
     for name, claimants in sorted(claims.items()):

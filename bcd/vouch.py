@@ -18,10 +18,11 @@ import trio
 
 from bcd import pki, wire
 from bcd.config import Config
-from bcd.errors import BcdError, CertificateRevoked, JoinError, RetryableError
+from bcd.errors import BcdError, GatewayUnauthenticated, JoinError, RetryableError
 from bcd.identity import LoadedState
 from bcd.node import helper_keys, load_identity
 from bcd.rejoin import sign_digest_p1363
+from bcd.revocation import judge_unauthenticated
 from bcd.session import post_as_node
 
 VOUCH_PATH = "/v1/discovery/vouch"
@@ -60,7 +61,10 @@ def vouch_answer(status: int, body: bytes, pushback_ms: str = "") -> dict[str, A
     if err is None:
         raise RetryableError(f"the gateway answered HTTP {status}")
     if err.code == "UNAUTHENTICATED":
-        raise CertificateRevoked("this site agent's certificate is not live (revoked or expired)")
+        notice = wire.loads_object(body, 64 * 1024).get("notice") if body else None
+        raise GatewayUnauthenticated(
+            "this site agent's certificate is not live (revoked or expired)", notice
+        )
     if err.code in wire.RETRYABLE:
         wait = wire.parse_pushback(pushback_ms)
         later = f"; ask again in {wait:.0f} s" if wait is not None else "; ask again later"
@@ -91,4 +95,11 @@ async def vouch(
         signed_vouch_body, fields, state.identity.node_id, now_ms, sign
     )
     resp = await post_as_node(cfg, state, tpm, VOUCH_PATH, body)
-    return vouch_answer(resp.status, resp.body, resp.headers.get("retry-pushback-ms", "").strip())
+    try:
+        return vouch_answer(
+            resp.status, resp.body, resp.headers.get("retry-pushback-ms", "").strip()
+        )
+    except GatewayUnauthenticated as exc:  # revoked only on a signed notice
+        raise judge_unauthenticated(
+            exc.notice, cfg.join_signing_key_pin, state, datetime.now(UTC)
+        ) from exc

@@ -10,6 +10,7 @@ a 503 UNAVAILABLE that never carries its text.
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -28,6 +29,7 @@ logger = logging.getLogger("control.http")
 HANDSHAKE_TIMEOUT = 5.0
 FIRST_REQUEST_TIMEOUT = 10.0  # a new connection's first request head must arrive by then
 IDLE_TIMEOUT = 60.0  # keep-alive: wait this long for the next request
+ANONYMOUS_IDLE_TIMEOUT = 5.0  # keep-alive of a TLS connection without a client certificate
 REQUEST_TIMEOUT = 30.0  # from a request's first byte to its last
 WRITE_TIMEOUT = 30.0  # a client that stops reading is dropped after this
 LINGER_TIMEOUT = 2.0  # after a refusal, drain (and drop) input this long before closing
@@ -156,9 +158,12 @@ def error_response(
 
 
 def health_response(ok: bool, reason: str) -> Response:
-    """``/healthz`` and ``/readyz``: 200 or 503 with a one-line JSON reason."""
+    """``/healthz`` and ``/readyz``: 200 or 503 with a one-line JSON reason; the
+    connection closes after it (a prober's connection must not hold a slot)."""
     return json_response(
-        200 if ok else 503, {"status": "ok" if ok else "unavailable", "reason": reason}
+        200 if ok else 503,
+        {"status": "ok" if ok else "unavailable", "reason": reason},
+        [("connection", "close")],
     )
 
 
@@ -219,7 +224,7 @@ async def _accept(
             await trio.sleep(0.1)
             continue
         remote = _remote(tcp)
-        source = remote.rpartition(":")[0]
+        source = source_key(remote)
         if not gate.admit(source):
             tcp.socket.close()  # no TLS, no answer: the cheapest refusal there is
             continue
@@ -237,6 +242,21 @@ async def _gated(
         await connection(tcp, remote)
     finally:
         gate.release(source)
+
+
+def source_key(remote: str) -> str:
+    """What the per-source limit counts by: an IPv4 address (an IPv4-mapped IPv6 one as
+    IPv4), or an IPv6 address's /64, since one host holds a whole /64."""
+    host = remote.rpartition(":")[0].strip("[]")
+    try:
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        return host
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+    return str(addr)
 
 
 def _remote(tcp: trio.SocketStream) -> str:
@@ -270,6 +290,8 @@ async def _connection(
                 logger.debug("TLS handshake from %s failed: %r", remote, exc)
                 return
             peer_der = tls.getpeercert(binary_form=True)
+        if ssl_context is not None and peer_der is None:
+            idle_timeout = min(idle_timeout, ANONYMOUS_IDLE_TIMEOUT)
         await _serve_http(stream, handler, max_body, peer_der, remote, life, idle_timeout)
     except _GONE:
         pass  # the client went away or was too slow

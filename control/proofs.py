@@ -35,13 +35,13 @@ def proof_sha256(pop_sig: bytes) -> str:
 def spend_proof(tx: Tx, proof: str, node_id: str, now_ms: int) -> bool:
     """Record the proof; False when it was already accepted in the last 120 s."""
     tx.execute(
-        "DELETE FROM renew_proofs WHERE node_id = ? AND used_at <= ?",
+        "DELETE FROM renew_proofs WHERE node_id = ? AND used_at < ?",
         (node_id, now_ms - REPLAY_WINDOW_MS),
     )
     changed = tx.execute(
         "INSERT INTO renew_proofs (proof_sha256, node_id, used_at) VALUES (?, ?, ?) "
         "ON CONFLICT (proof_sha256) DO UPDATE SET node_id = excluded.node_id, "
-        "used_at = excluded.used_at WHERE renew_proofs.used_at <= ?",
+        "used_at = excluded.used_at WHERE renew_proofs.used_at < ?",
         (proof, node_id, now_ms, now_ms - REPLAY_WINDOW_MS),
     )
     return changed == 1

@@ -114,9 +114,20 @@ class RelayClient:
                         "POST", url, content=req.body, headers=headers
                     ) as answer:
                         body = await _bounded(answer)
-            except (httpx.TransportError, _TooLarge, trio.TooSlowError) as exc:
+            except _NOT_SENT as exc:  # nothing reached that replica: the next one may
                 log.warning("relay to %s failed (%s); trying the next", url, type(exc).__name__)
                 continue
+            except (httpx.TransportError, _TooLarge, trio.TooSlowError) as exc:
+                # The call may be running there still: sending it to another replica too
+                # could judge it twice (a second node for an untrusted key, a renewal
+                # refused as a replay while the first was issued). The node retries it.
+                self._preferred = (index + 1) % len(self.upstreams)
+                log.warning("relay to %s failed after sending (%s)", url, type(exc).__name__)
+                raise ControlError(
+                    "UNAVAILABLE",
+                    "the JoinService replica did not answer; retry",
+                    retry_after_ms=NONE_UP_PUSHBACK_MS,
+                ) from exc
             self._preferred = index
             kept = [(n, answer.headers[n]) for n in _PASSED_HEADERS if n in answer.headers]
             return Response(answer.status_code, body, kept)
@@ -148,6 +159,11 @@ class RelayClient:
 
 class _TooLarge(Exception):
     pass
+
+
+# Failures before the request reached the replica (refused, no route, TLS, no free
+# connection): only these move a call to the next upstream.
+_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 async def _bounded(answer: httpx.Response) -> bytes:

@@ -14,8 +14,9 @@ discovery_vouches        seven days after it expired (it blocks older boot epoch
 join_challenges          one hour after it ended (60 s challenges)
 join_requests            thirty days after the decision; a pending one an hour after
                          its machine last asked (a waiting machine asks every few
-                         seconds, so only an abandoned or made-up one goes)
-renew_proofs             two minutes after use (the replay window is 120 s)
+                         seconds, so only an abandoned or made-up one goes), and any
+                         pending one a day after it was made (its machine asks anew)
+renew_proofs             three minutes after use (the replay window is 120 s)
 renewals                 seven days (the 6-an-hour limit reads the last hour)
 =======================  =============================================================
 
@@ -47,17 +48,20 @@ RULES: tuple[tuple[str, str, str, str, int], ...] = (
     ("join_challenges", "id", "not_after", "", 3_600_000),
     ("join_requests", "id", "decided_at", " AND decided_at IS NOT NULL", 30 * DAY_MS),
     ("join_requests", "id", "updated_at", " AND state = 'pending'", 3_600_000),
-    ("renew_proofs", "proof_sha256", "used_at", "", 120_000),
+    ("join_requests", "id", "created_at", " AND state = 'pending'", DAY_MS),
+    ("renew_proofs", "proof_sha256", "used_at", "", 180_000),
     ("renewals", "serial", "renewed_at", "", 7 * DAY_MS),
 )
 
 
 def _prune_table(tx: Tx, table: str, key: str, age: str, extra: str, keep_ms: int) -> int:
     cutoff = tx.now_ms() - keep_ms
+    # the age condition again outside: a row changed while the delete waited for it
+    # (a pending request approved, a vouch renewed) is judged as it is now
     return tx.execute(
         f"DELETE FROM {table} WHERE {key} IN (SELECT {key} FROM {table} "
-        f"WHERE {age} < ?{extra} LIMIT ?)",
-        (cutoff, BATCH),
+        f"WHERE {age} < ?{extra} LIMIT ?) AND {age} < ?{extra}",
+        (cutoff, BATCH, cutoff),
     )
 
 
