@@ -812,8 +812,12 @@ def test_revoked_since_lists_revocations_after_a_time(env: Env) -> None:
         got = revoked_since(tx, start)
     assert {r["serial"] for r in got} == {a.serial, renewed_a.serial}
     for r in got:
-        assert set(r) == {"serial", "node_id", "revoke_reason", "revoked_at"}
+        assert set(r) == {"serial", "node_id", "revoke_reason", "revoked_at", "revoke_notice"}
         assert (r["node_id"], r["revoke_reason"]) == (a.node_id, "key compromised")
+        notice = wire.verify_revocation_notice(
+            r["revoke_notice"], env.pin, a.node_id, [r["serial"]]
+        )  # signed where it was revoked, for the gateways to push as it is
+        assert notice.reason == "key compromised"
         assert r["revoked_at"] > start
     with env.store.tx() as tx:
         assert revoked_since(tx, max(r["revoked_at"] for r in got)) == []
