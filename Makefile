@@ -15,7 +15,7 @@ DEB_PACKAGES := swtpm swtpm-tools tpm2-tools libtss2-dev libtss2-tcti-swtpm0 pkg
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
 
-.PHONY: quickstart test lint typecheck pytest bench clean system-packages artifact
+.PHONY: quickstart test lint typecheck pytest bench fuzz clean system-packages artifact
 
 # Runs on every make (a dpkg-query, a few ms) but, as an order-only prerequisite,
 # does not make $(STAMP) out of date. apt-get update only when the install fails
@@ -66,6 +66,11 @@ bench: $(STAMP)
 	$(BIN)/python bench/renew.py
 	$(BIN)/python bench/tpm.py
 	$(BIN)/python bench/replicas.py
+
+# HTTP-level property-based fuzzing of a real serve (fuzz/http_fuzz.py; not part of
+# make test): 100,000 inputs per path family by default, --per-family N for less.
+fuzz: $(STAMP)
+	$(BIN)/python fuzz/http_fuzz.py
 
 clean:
 	rm -rf $(VENV) .quickstart .pytest_cache .mypy_cache .ruff_cache

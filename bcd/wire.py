@@ -58,12 +58,33 @@ def loads_object(data: bytes, limit: int = MAX_BODY) -> dict[str, Any]:
     if len(data) > limit:
         raise WireError("body too large")
     try:
-        obj = json.loads(data.decode("utf-8"))
+        obj = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise WireError("body is not JSON") from exc
     if not isinstance(obj, dict):
         raise WireError("body is not a JSON object")
     return obj
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """An object whose names and string values are all Unicode text: JSON's ``\\ud800``
+    escapes make lone surrogates, which no store and no UTF-8 writer can take."""
+    for name, value in pairs:
+        if _SURROGATE.search(name) or _has_surrogate(value):
+            raise ValueError("a string holds a lone surrogate")
+    return dict(pairs)
+
+
+def _has_surrogate(value: object) -> bool:
+    """Inner objects were checked when they were made; strings and lists are here."""
+    if isinstance(value, str):
+        return _SURROGATE.search(value) is not None
+    if isinstance(value, list):
+        return any(_has_surrogate(v) for v in value)
+    return False
 
 
 def _str(

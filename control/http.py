@@ -319,7 +319,7 @@ async def _serve_http(
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
     wait = FIRST_REQUEST_TIMEOUT  # a new connection: its first request comes soon or never
     while not life.draining.is_set():
-        got: Request | Response | None = None
+        got: Request | tuple[Response, str] | None = None
         with trio.CancelScope(deadline=trio.current_time() + wait) as scope:
             life.waiting.add(scope)
             try:
@@ -328,8 +328,9 @@ async def _serve_http(
                 life.waiting.discard(scope)
         if got is None or scope.cancelled_caught:
             return
-        if isinstance(got, Response):  # refused before the handler: answer and hang up
-            await _respond(stream, conn, "GET", got)
+        if isinstance(got, tuple):  # refused before the handler: answer and hang up
+            refusal, method = got
+            await _respond(stream, conn, method, refusal)
             await _linger(stream)
             return
         life.busy += 1
@@ -357,8 +358,10 @@ async def _read_request(
     max_body: int,
     peer_der: bytes | None,
     remote: str,
-) -> Request | Response | None:
-    """The next request, a refusal to send, or None when the client is done."""
+) -> Request | tuple[Response, str] | None:
+    """The next request, a refusal to send (with the method it answers: a HEAD's gets
+    no body), or None when the client is done."""
+    method = "GET"
 
     async def next_event() -> object:
         while True:
@@ -377,6 +380,7 @@ async def _read_request(
         head = await next_event()
         if not isinstance(head, h11.Request):
             return None  # ConnectionClosed
+        method = "HEAD" if head.method == b"HEAD" else "GET"
         headers: dict[str, str] = {}
         head_size = len(head.method) + len(head.target) + 12
         for raw_name, raw_value in head.headers:
@@ -386,15 +390,15 @@ async def _read_request(
         if head_size > _MAX_HEAD:  # h11 bounds only a head still arriving, not one whole
             return error_response(
                 "INVALID_ARGUMENT", "request head too large", [("connection", "close")], status=431
-            )
+            ), method
         if "content-length" in headers and "transfer-encoding" in headers:
             return error_response(
                 "INVALID_ARGUMENT",
                 "Content-Length and Transfer-Encoding together",
                 [("connection", "close")],
-            )
+            ), method
         if int(headers.get("content-length", "0").split(",")[0]) > max_body:
-            return too_large
+            return too_large, method
         if conn.they_are_waiting_for_100_continue:
             go_on = h11.InformationalResponse(status_code=100, headers=[])
             await _write(stream, _send(conn, go_on))
@@ -404,7 +408,7 @@ async def _read_request(
                 return None
             body += event.data
             if len(body) > max_body:
-                return too_large
+                return too_large, method
         path, _, query = head.target.decode("ascii").partition("?")
         method = head.method.decode("ascii")
     except (h11.RemoteProtocolError, ValueError):
@@ -412,7 +416,7 @@ async def _read_request(
             return None
         return error_response(
             "INVALID_ARGUMENT", "malformed HTTP request", [("connection", "close")]
-        )
+        ), method
     return Request(
         method=method,
         path=path,

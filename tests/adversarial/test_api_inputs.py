@@ -43,3 +43,29 @@ def test_good_paging_answers(control_plane: ControlPlane) -> None:
     status, body = _get(control_plane, "limit=1000&since=0")
     assert status == 200
     assert body["items"] == [] or isinstance(body["items"], list)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b'{"name": "\\ud800"}',
+        b'{"name": "ok", "extra": ["\\udfff"]}',
+        b'{"\\ud800": "x"}',
+    ],
+)
+def test_a_lone_surrogate_is_invalid_argument_not_a_503(
+    control_plane: ControlPlane, body: bytes
+) -> None:
+    """Found by make fuzz: JSON's \\ud800 escapes made strings no store could bind."""
+    cred = control_plane.root_credential_file.read_text().strip()
+    req = urllib.request.Request(  # noqa: S310 - http on loopback
+        f"{control_plane.api}/api/compute/v1/tenants/{control_plane.root_tenant}/sites",
+        data=body,
+        headers={"Authorization": f"Bearer {cred}", "content-type": "application/json"},
+        method="POST",
+    )
+    with pytest.raises(urllib.error.HTTPError) as failed:
+        urllib.request.urlopen(req, timeout=10)  # noqa: S310
+    assert failed.value.code == 400
+    assert json.loads(failed.value.read())["code"] == "INVALID_ARGUMENT"
+    assert "Traceback" not in (control_plane.home / "serve.log").read_text()

@@ -161,3 +161,23 @@ def test_the_head_limit_holds_when_the_head_arrives_in_one_piece(
         b"GET /api/compute/.well-known/better-compute HTTP/1.1\r\nHost: x\r\n" + big + b"\r\n",
     )
     assert answer.startswith(b"HTTP/1.1 431 ")
+
+
+@pytest.mark.parametrize(
+    ("head", "status"),
+    [
+        (b"Content-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n0\r\n\r\n", b"400"),
+        (b"Content-Length: 999999\r\n\r\n", b"413"),
+        (b"X-Big: " + b"v" * 17_000 + b"\r\n\r\n", b"431"),
+        (b"Transfer-Encoding: chunked\r\n\r\nzz\r\n", b"400"),
+    ],
+)
+def test_a_refused_head_request_gets_its_answer_without_a_body(
+    sqlite_control_plane: ControlPlane, head: bytes, status: bytes
+) -> None:
+    """Found by make fuzz: h11 forbids a body on a HEAD's answer; the refusal used to be
+    sent as a GET's, which failed with a traceback and no answer at all."""
+    answer = _raw(_api_port(sqlite_control_plane), b"HEAD /healthz HTTP/1.1\r\nHost: x\r\n" + head)
+    assert answer.startswith(b"HTTP/1.1 " + status + b" ")
+    assert answer.endswith(b"\r\n\r\n")  # no body
+    assert "Traceback" not in (sqlite_control_plane.home / "serve.log").read_text()
