@@ -78,6 +78,7 @@ RENEW_FRACTION = 0.6
 BACKOFF_FIRST_S = 30.0
 BACKOFF_MAX_S = 600.0
 OLD_KEY_HOLD_S = 300.0
+MIN_PUSHBACK_S = 1.0  # the shortest wait a retry-pushback-ms can ask of a renewal
 # The longest single sleep: the wall clock is read again after it, so a suspended
 # machine or a stepped clock delays a renewal by at most this much.
 MAX_NAP_S = 60.0
@@ -704,7 +705,8 @@ def _failed(
         extra={"attempt": attempt, "expiresIn": text, "expiresInSeconds": int(expires_in)},
     )
     pushback = exc.pushback_s if isinstance(exc, RetryableError) else None
-    return pushback if pushback is not None else backoff_s(attempt)
+    # at least MIN_PUSHBACK_S: a gateway answering "0" must not spin the agent
+    return max(pushback, MIN_PUSHBACK_S) if pushback is not None else backoff_s(attempt)
 
 
 async def _adopt_disk_state(

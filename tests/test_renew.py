@@ -461,7 +461,7 @@ async def test_a_busy_gateways_pushback_is_waited_exactly(
     gateway.failures = [
         RetryableError("RESOURCE_EXHAUSTED: slow down", 12.345),
         TransportError("down"),  # attempt 2 without pushback: the backoff's 60 s
-        RetryableError("UNAVAILABLE: later", 0.25),
+        RetryableError("UNAVAILABLE: later", 0.25),  # below the floor: waited 1 s
     ]
     gateway.on_call = lambda n: (
         gateway.failures.append(CertificateRevoked("stop")) if n == 5 else None
@@ -469,7 +469,7 @@ async def test_a_busy_gateways_pushback_is_waited_exactly(
     with pytest.raises(CertificateRevoked):
         await _run(holder, gateway, memory_pki)
     gaps = [b - a for a, b in zip(gateway.calls, gateway.calls[1:], strict=False)]
-    assert gaps[:3] == pytest.approx([12.345, 60, 0.25], abs=1e-6)
+    assert gaps[:3] == pytest.approx([12.345, 60, 1.0], abs=1e-6)
     assert len(holder.history) == 1  # the fourth call renewed
     assert gateway.calls[4] == pytest.approx(_due(holder.state), abs=1e-3)
 
