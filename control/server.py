@@ -9,7 +9,7 @@ import resource
 import signal
 import ssl
 import sys
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -410,6 +410,20 @@ async def _run(
     parts: _Parts, listens: Mapping[str, str], ready_file: Path | None, drain_s: float
 ) -> None:
     life = Lifecycle()
+    # SIGTERM is ours before anything listens, so a stop right after start still drains
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        await _serve_until_signal(parts, listens, ready_file, drain_s, life, signals)
+    log.info("stopped")
+
+
+async def _serve_until_signal(
+    parts: _Parts,
+    listens: Mapping[str, str],
+    ready_file: Path | None,
+    drain_s: float,
+    life: Lifecycle,
+    signals: AsyncIterator[int],
+) -> None:
     async with trio.open_nursery() as nursery:
         bound: dict[str, int] = {}
         async with trio.open_nursery() as servers:
@@ -441,9 +455,8 @@ async def _run(
                 ", ".join(f"{k} on {v}" for k, v in ready.items() if "://" in str(v)),
             )
             notify("READY=1", f"STATUS=serving, role {parts.role}")
-            with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
-                async for _ in signals:
-                    break
+            async for _ in signals:
+                break
             notify("STOPPING=1")
             log.info("draining: no new connections, sessions end, calls in flight finish")
             life.begin_drain()
@@ -457,7 +470,6 @@ async def _run(
         if parts.relay_client is not None:
             await parts.relay_client.aclose()
         nursery.cancel_scope.cancel()
-    log.info("stopped")
 
 
 def _ready_doc(role: str, listens: Mapping[str, str], bound: Mapping[str, int]) -> dict[str, Any]:
