@@ -40,8 +40,8 @@ def _seed(store: Store) -> int:
             tx.execute(
                 "INSERT INTO join_requests (id, tenant_id, pool_id, site_id, attestor, "
                 "machine_key, claims, csr_sha256, state, created_at, updated_at, decided_at) "
-                "VALUES (?, 'ten_x', 'pool_x', 'site_x', 'a', ?, '{}', 'c', ?, 0, ?, ?)",
-                (f"jreq_{i}", f"m{i}", state, updated, decided),
+                "VALUES (?, 'ten_x', 'pool_x', 'site_x', 'a', ?, '{}', 'c', ?, ?, ?, ?)",
+                (f"jreq_{i}", f"m{i}", state, updated, updated, decided),
             )
         for i, used in enumerate((now - 300_000, now)):
             tx.execute(
@@ -60,6 +60,12 @@ def test_prune_deletes_what_expired_and_keeps_the_rest(store: Store) -> None:
         assert [r["rate_key"] for r in tx.query("SELECT rate_key FROM refusal_windows")] == ["new"]
         kept = sorted(r["id"] for r in tx.query("SELECT id FROM join_requests"))
         assert kept == ["jreq_1", "jreq_3"]
+    with store.tx() as tx:  # a pending request a day old goes, however recently asked
+        tx.execute("UPDATE join_requests SET created_at = ? WHERE id = 'jreq_1'",
+                   (tx.now_ms() - DAY - 1,))  # fmt: skip
+    retention.prune_once(store)
+    with store.tx() as tx:
+        assert [r["id"] for r in tx.query("SELECT id FROM join_requests")] == ["jreq_3"]
         assert [r["proof_sha256"] for r in tx.query("SELECT proof_sha256 FROM renew_proofs")] == [
             "p1"
         ]
