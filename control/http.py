@@ -244,19 +244,23 @@ async def _gated(
         gate.release(source)
 
 
-def source_key(remote: str) -> str:
-    """What the per-source limit counts by: an IPv4 address (an IPv4-mapped IPv6 one as
+def source_of(ip: str) -> str:
+    """What a per-source bound counts by: an IPv4 address (an IPv4-mapped IPv6 one as
     IPv4), or an IPv6 address's /64, since one host holds a whole /64."""
-    host = remote.rpartition(":")[0].strip("[]")
     try:
-        addr = ipaddress.ip_address(host)
+        addr = ipaddress.ip_address(ip)
     except ValueError:
-        return host
+        return ip
     if isinstance(addr, ipaddress.IPv6Address):
         if addr.ipv4_mapped is not None:
             return str(addr.ipv4_mapped)
         return str(ipaddress.ip_network(f"{addr}/64", strict=False))
     return str(addr)
+
+
+def source_key(remote: str) -> str:
+    """:func:`source_of` the host of ``host:port`` / ``[v6]:port``."""
+    return source_of(remote.rpartition(":")[0].strip("[]"))
 
 
 def _remote(tcp: trio.SocketStream) -> str:

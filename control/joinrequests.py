@@ -10,7 +10,6 @@ CSR fail. Decisions publish ``security.join-request.approved`` / ``.rejected``.
 
 from __future__ import annotations
 
-import ipaddress
 import json
 import re
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 from bcd.plugins import Defer, JoinRequestRecord
 from control import events, tenancy
 from control.errors import ControlError, invalid, not_found
+from control.http import source_of
 from control.ids import iso, new_id
 from control.store import Row, Tx
 
@@ -135,7 +135,7 @@ def record_pending(
             (*fields, attestor, now, row["id"]),
         )
         return str(row["id"])
-    source_ip = source_of(source_ip)
+    source_ip = source_of(source_ip) if source_ip is not None else None
     check_room(tx, defer.pool_id, site_id, source_ip)
     request_id = new_id("jreq")
     tx.execute(
@@ -157,21 +157,6 @@ def record_pending(
         ),
     )
     return request_id
-
-
-def source_of(ip: str | None) -> str | None:
-    """What the per-source bound counts by: the IPv4 address, or the IPv6 /64."""
-    if ip is None:
-        return None
-    try:
-        addr = ipaddress.ip_address(ip)
-    except ValueError:
-        return ip
-    if isinstance(addr, ipaddress.IPv6Address):
-        if addr.ipv4_mapped is not None:
-            return str(addr.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
-    return str(addr)
 
 
 MAX_PENDING_PER_POOL = 5_000

@@ -13,8 +13,7 @@ from bcd.config import load_config
 from bcd.errors import ConfigError
 from bcd.plugins import hookimpl, load_plugins
 from control.errors import ControlError
-from control.http import Request, source_key
-from control.joinrequests import source_of
+from control.http import Request, source_key, source_of
 from control.proofs import spend_proof
 from control.relay import RelayClient
 from control.store import Store
