@@ -14,6 +14,7 @@ import errno
 import os
 import secrets
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 
@@ -45,7 +46,13 @@ def file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def read_regular_file(path: Path, limit: int) -> bytes:
+def read_regular_file(
+    path: Path,
+    limit: int,
+    *,
+    follow: bool = True,
+    judge: Callable[[os.stat_result], None] | None = None,
+) -> bytes:
     """A regular file's content, judged before it is read and read bounded.
 
     Opened with ``O_NONBLOCK``, so opening a FIFO does not wait for a writer; then
@@ -53,9 +60,18 @@ def read_regular_file(path: Path, limit: int) -> bytes:
     not a regular file (a FIFO, ``/dev/zero``, a socket) :class:`NotRegularFile`, a
     size over ``limit`` :class:`FileTooLarge`, and so does a file that grows past
     ``limit`` while it is read (at most ``limit + 1`` bytes are ever read). A symlink
-    is followed (a configuration may be one). Other errors are the ``OSError``.
+    is followed (a configuration may be one) unless ``follow`` is false: then a symlink
+    at ``path`` is :class:`NotRegularFile`. ``judge`` sees the opened file's ``fstat``
+    (its owner and mode, with no window for a swap) before a byte is read, and may
+    raise. Other errors are the ``OSError``.
     """
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    flags = os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY
+    try:
+        fd = os.open(path, flags if follow else flags | os.O_NOFOLLOW)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP and not follow:
+            raise NotRegularFile("a symbolic link") from exc
+        raise
     try:
         st = os.fstat(fd)
         if stat.S_ISDIR(st.st_mode):
@@ -64,6 +80,8 @@ def read_regular_file(path: Path, limit: int) -> bytes:
             raise NotRegularFile(file_kind(st.st_mode))
         if st.st_size > limit:
             raise FileTooLarge(str(path))
+        if judge is not None:
+            judge(st)
         chunks: list[bytes] = []
         size = 0
         while chunk := os.read(fd, min(65536, limit + 1 - size)):

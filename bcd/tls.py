@@ -1,10 +1,13 @@
-"""Pinned TLS to the gateway: the serving CA pin is the only trust anchor.
+"""Pinned TLS to the gateway: the serving CA is the only trust anchor.
 
-The client context verifies nothing itself (``CERT_NONE``); after the handshake,
-and before any request byte is written, :func:`verify_server_chain` checks the
-chain the gateway presented: some certificate in it must carry the pinned SPKI,
-and the leaf must verify up to that certificate (validity, key usage, extended
-key usage, the gateway's name) with cryptography's X.509 path validation. The
+The node holds the serving CA certificate (``serving-ca.pem``, whose SPKI pin is
+``serving_ca_spki_pin``: :mod:`bcd.servingca`); :func:`pinned_context` is a standard
+``ssl`` client context with that certificate as its only anchor, so OpenSSL refuses
+an unpinned gateway inside the handshake, before the node's certificate is sent. A
+refusal is explained by :func:`verify_server_chain` (cryptography's X.509 path
+validation over the chain the gateway presented): a wrong clock, a wrong
+``server_name``, or an unpinned chain. :func:`probe_anchor` reads the serving CA
+from a certless handshake, for a node installed before the file existed. The
 system trust store is never consulted.
 """
 
@@ -14,7 +17,8 @@ import contextlib
 import ipaddress
 import os
 import ssl
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +32,10 @@ from bcd.errors import PeerVerificationError, TransportError
 
 _ENCODING_DER = 2  # _ssl.ENCODING_DER, for the 3.11 private Certificate objects
 _MAX_CHAIN = 8
+_X509_V_ERR_CERT_NOT_YET_VALID = 9
+_X509_V_ERR_CERT_HAS_EXPIRED = 10
+_X509_V_ERR_HOSTNAME_MISMATCH = 62
+_X509_V_ERR_IP_ADDRESS_MISMATCH = 64
 _NOT_PINNED = (
     "the gateway's certificate does not chain to the pinned serving CA (serving_ca_spki_pin)"
 )
@@ -167,13 +175,93 @@ def _memfd(name: str, data: bytes) -> Iterator[str]:
         os.close(fd)
 
 
-def client_context(client_cert: tuple[str, bytes] | None = None) -> ssl.SSLContext:
-    """A fresh client context that verifies nothing itself (we verify the chain)."""
+@dataclass(frozen=True, slots=True)
+class Anchor:
+    """The serving CA: ``pem`` is its certificate, whose SPKI pin is ``pin``."""
+
+    pin: str
+    pem: str = field(repr=False)
+
+
+def anchor_of(
+    pem: str, pin: str, now: datetime | None = None, *, check_dates: bool = True
+) -> Anchor:
+    """``pem`` as the trust anchor for ``pin``: one CA certificate whose SPKI pin is ``pin``.
+
+    OpenSSL does not check an anchor's signature but does check its dates and
+    constraints, so those are checked here (at ``now``, the current time by default):
+    basicConstraints CA:TRUE, keyCertSign when keyUsage is present, valid now. It need
+    not be self-signed (a pinned intermediate anchors a chain). ``check_dates`` False
+    skips the dates, for serving-ca.pem (:func:`bcd.servingca.read_anchor`): an anchor
+    gone out of date there is replaced on the first dial (:func:`connect_pinned`).
+    Raises :class:`ValueError` naming what is wrong.
+    """
+    try:
+        certs = x509.load_pem_x509_certificates(pem.encode("ascii"))
+    except (ValueError, UnicodeEncodeError) as exc:
+        raise ValueError("it is not a PEM certificate") from exc
+    if len(certs) != 1:
+        raise ValueError(f"it holds {len(certs)} certificates, not one")
+    cert = certs[0]
+    found = _spki_pin(cert)
+    if found is None or not pki.pins_equal(found, pin):
+        raise ValueError("its SPKI pin is not serving_ca_spki_pin")
+    _check_ca(cert, (datetime.now(UTC) if now is None else now) if check_dates else None)
+    return Anchor(pin=pin, pem=cert.public_bytes(serialization.Encoding.PEM).decode("ascii"))
+
+
+def _check_ca(cert: x509.Certificate, now: datetime | None) -> None:
+    """What OpenSSL checks of a trust anchor: a CA, allowed to sign certificates, valid now."""
+    try:
+        constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
+        is_ca = constraints.ca
+    except x509.ExtensionNotFound:
+        is_ca = False
+    except ValueError as exc:
+        raise ValueError(f"its extensions do not parse ({exc})") from exc
+    if not is_ca:
+        raise ValueError("it is not a CA certificate (basicConstraints CA:TRUE is missing)")
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.KeyUsage).value
+    except x509.ExtensionNotFound:
+        usage = None
+    if usage is not None and not usage.key_cert_sign:
+        raise ValueError("its keyUsage does not allow signing certificates (keyCertSign)")
+    if now is None:
+        return
+    when = now.astimezone(UTC) if now.tzinfo else now.replace(tzinfo=UTC)
+    not_before, not_after = cert.not_valid_before_utc, cert.not_valid_after_utc
+    if not not_before <= when <= not_after:
+        raise ValueError(
+            f"it is not valid at {when:%Y-%m-%dT%H:%M:%SZ} (valid "
+            f"{not_before:%Y-%m-%dT%H:%M:%SZ} to {not_after:%Y-%m-%dT%H:%M:%SZ})"
+        )
+
+
+def _base_context() -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.check_hostname = False
-    ctx.verify_mode = ssl.CERT_NONE
     ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
+def pinned_context(anchor: Anchor, client_cert: tuple[str, bytes] | None = None) -> ssl.SSLContext:
+    """A standard client context whose only trust anchor is the serving CA.
+
+    ``CERT_REQUIRED``, the host name checked against ``server_hostname``, and
+    ``VERIFY_X509_PARTIAL_CHAIN`` so a pinned intermediate anchors the chain; the
+    system store is never loaded. OpenSSL checks the chain when the server's
+    Certificate arrives and aborts the handshake on a failure, before the client
+    Certificate (``client_cert``: chain PEM, PKCS#8 key PEM) is sent.
+    """
+    ctx = _base_context()
+    ctx.verify_mode = ssl.CERT_REQUIRED
+    ctx.check_hostname = True
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    try:
+        ctx.load_verify_locations(cadata=anchor.pem)
+    except (ssl.SSLError, ValueError) as exc:
+        raise PeerVerificationError("the serving CA certificate does not load") from exc
     if client_cert is not None:
         chain_pem, key_pem = client_cert
         try:
@@ -187,23 +275,91 @@ def client_context(client_cert: tuple[str, bytes] | None = None) -> ssl.SSLConte
     return ctx
 
 
-async def connect_pinned(
+def _probe_context() -> ssl.SSLContext:
+    """A certless context that verifies nothing itself (the chain is checked after)."""
+    ctx = _base_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    return ctx
+
+
+class StaleAnchor(PeerVerificationError):
+    """OpenSSL refused the chain, yet it verifies against the pin: the stored anchor is
+    stale (the CA re-certified with the same key). ``anchor`` is the certificate of the
+    presented chain carrying the pin (it passed :func:`anchor_of`); the message is what
+    the refusal says when the anchor is not replaced."""
+
+    def __init__(self, message: str, anchor: Anchor) -> None:
+        super().__init__(message)
+        self.anchor = anchor
+
+
+def _anchor_in(chain: list[bytes], pin: str) -> Anchor | None:
+    """The certificate of ``chain`` whose SPKI pin is ``pin``, as an anchor; None if none
+    is one (:func:`anchor_of`)."""
+    for der in chain:
+        try:
+            cert = x509.load_der_x509_certificate(der)
+        except ValueError:
+            continue
+        found = _spki_pin(cert)
+        if found is not None and pki.pins_equal(found, pin):
+            try:
+                return anchor_of(cert.public_bytes(serialization.Encoding.PEM).decode(), pin)
+            except ValueError:
+                return None
+    return None
+
+
+def _refused_chain(
+    stream: trio.SSLStream[Any], err: ssl.SSLCertVerificationError, server_name: str, pin: str
+) -> PeerVerificationError:
+    """Why OpenSSL refused the chain, in the words of :func:`verify_server_chain`.
+
+    The chain the gateway presented is still readable after the aborted handshake;
+    the pure check names a wrong clock or ``server_name`` apart from an unpinned chain.
+    A chain the pure check accepts is a :class:`StaleAnchor` when it carries an anchor.
+    """
+    try:
+        chain = peer_chain_der(stream)
+    except Exception:  # cannot read it: say what OpenSSL said
+        chain = []
+    fresh: Anchor | None = None
+    if chain:
+        try:
+            verify_server_chain(chain, server_name, pin, datetime.now(UTC))
+        except PeerVerificationError as exc:
+            return exc
+        except TransportError as exc:  # pragma: no cover - verify_server_chain raises the above
+            return PeerVerificationError(str(exc))
+        fresh = _anchor_in(chain, pin)
+    refused = _openssl_refusal(err, server_name)
+    return refused if fresh is None else StaleAnchor(str(refused), fresh)
+
+
+def _openssl_refusal(err: ssl.SSLCertVerificationError, server_name: str) -> PeerVerificationError:
+    reason = (err.verify_message or "verification failed").strip()
+    if err.verify_code in (_X509_V_ERR_CERT_NOT_YET_VALID, _X509_V_ERR_CERT_HAS_EXPIRED):
+        return PeerVerificationError(
+            f"the gateway's certificate is not valid now ({reason}); check the clock"
+        )
+    if err.verify_code in (_X509_V_ERR_HOSTNAME_MISMATCH, _X509_V_ERR_IP_ADDRESS_MISMATCH):
+        return PeerVerificationError(
+            f"the gateway's certificate is not valid for {server_name} "
+            "(set server_name in config.toml to the name the gateway serves)"
+        )
+    return PeerVerificationError(f"{_NOT_PINNED}: {reason}")
+
+
+async def _dial(
     host: str,
     port: int,
     server_name: str,
-    serving_ca_pin: str,
-    *,
-    client_cert: tuple[str, bytes] | None = None,
-    timeout: float = 15.0,  # noqa: ASYNC109 - covers connect and handshake separately
+    ctx: ssl.SSLContext,
+    pin: str,
+    timeout: float,  # noqa: ASYNC109 - covers connect and handshake separately
 ) -> trio.SSLStream[trio.SocketStream]:
-    """Connect, handshake and verify the gateway against ``serving_ca_pin``.
-
-    ``client_cert`` is (chain PEM, PKCS#8 key PEM) for mutual TLS. Nothing is
-    written after the handshake until the chain verified; any failure closes the
-    connection and raises :class:`TransportError`.
-    """
     where = f"{host}:{port}"
-    ctx = client_context(client_cert)
     try:
         with trio.fail_after(timeout):
             tcp = await trio.open_tcp_stream(host, port)
@@ -220,18 +376,82 @@ async def connect_pinned(
             raise TransportError(f"TLS handshake with the gateway at {where} timed out") from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             cause = exc.__cause__ if isinstance(exc.__cause__, ssl.SSLError) else exc
+            if isinstance(cause, ssl.SSLCertVerificationError):
+                raise _refused_chain(stream, cause, server_name, pin) from exc
             reason = getattr(cause, "reason", None) or cause.__class__.__name__
             raise TransportError(
                 f"TLS handshake with the gateway at {where} failed: {reason}"
             ) from exc
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
+    return stream
+
+
+async def connect_pinned(
+    host: str,
+    port: int,
+    server_name: str,
+    anchor: Anchor,
+    *,
+    client_cert: tuple[str, bytes] | None = None,
+    timeout: float = 15.0,  # noqa: ASYNC109 - covers connect and handshake separately
+    on_stale_anchor: Callable[[Anchor], None] | None = None,
+) -> trio.SSLStream[trio.SocketStream]:
+    """Connect and handshake with the serving CA as the only trust anchor.
+
+    ``client_cert`` is (chain PEM, PKCS#8 key PEM) for mutual TLS; it is sent only
+    to a gateway whose chain verified (:func:`pinned_context`). Any failure closes
+    the connection and raises :class:`TransportError` (a
+    :class:`PeerVerificationError` for the chain, never retried), except one: when
+    OpenSSL refuses a chain that verifies against the pin (:class:`StaleAnchor`, the
+    CA re-certified with the same key), ``on_stale_anchor`` gets the presented anchor
+    and the handshake is tried once more with it.
+    """
+    try:
+        return await _dial(
+            host, port, server_name, pinned_context(anchor, client_cert), anchor.pin, timeout
+        )
+    except StaleAnchor as stale:
+        if on_stale_anchor is None or stale.anchor.pem == anchor.pem:
+            raise
+        fresh = stale.anchor
+    # No client certificate went out on the refused attempt (OpenSSL aborted first).
+    on_stale_anchor(fresh)
+    return await _dial(
+        host, port, server_name, pinned_context(fresh, client_cert), fresh.pin, timeout
+    )
+
+
+async def probe_anchor(
+    host: str,
+    port: int,
+    server_name: str,
+    pin: str,
+    *,
+    timeout: float = 15.0,  # noqa: ASYNC109 - covers connect and handshake separately
+) -> Anchor:
+    """The serving CA certificate, read from the chain a gateway presents.
+
+    A certless handshake (no client certificate is sent), then the chain is checked
+    against ``pin`` with :func:`verify_server_chain`; the certificate of the chain
+    whose SPKI pin is ``pin`` is the anchor. No request byte is sent.
+    """
+    stream = await _dial(host, port, server_name, _probe_context(), pin, timeout)
+    try:
         try:
             chain = peer_chain_der(stream)
         except Exception as exc:
             raise PeerVerificationError(
                 "cannot read the certificate chain the gateway presented"
             ) from exc
-        verify_server_chain(chain, server_name, serving_ca_pin, datetime.now(UTC))
-    except BaseException:
+        verify_server_chain(chain, server_name, pin, datetime.now(UTC))
+        anchor = _anchor_in(chain, pin)
+        if anchor is None:
+            raise PeerVerificationError(
+                "the serving CA certificate the gateway presented is not a usable trust "
+                "anchor (not a CA certificate valid now)"
+            )
+        return anchor
+    finally:
         await trio.aclose_forcefully(stream)
-        raise
-    return stream

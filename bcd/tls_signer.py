@@ -13,29 +13,34 @@ Pinning is :func:`bcd.tls.verify_server_chain`, the same pure check as
 arrives (before our certificate or any signature by the node key is sent) and
 again on the finished session, before any request byte is written.
 
-:func:`connect_with_signer` returns a :class:`trio.abc.Stream`, so
-:func:`bcd.httpclient.request` and :func:`bcd.httpclient.open_lines` work on it
-unchanged; :func:`request_with_signer` is connect, one request, close.
+:func:`connect_with_signer` returns a :class:`trio.abc.Stream`: it is the dial of
+:class:`bcd.transport.DialTransport`, so :class:`bcd.gatewayclient.GatewayClient`
+runs over it unchanged (the exception to the ``ssl`` path, documented in
+docs/decisions.md); :func:`request_with_signer` is connect, one request, close.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import ipaddress
 import socket
+import threading
 import types
 import warnings
 from collections.abc import Callable, Generator, Sequence
 from datetime import UTC, datetime
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from bcd.errors import PeerVerificationError, TransportError
-from bcd.httpclient import Response, request
 from bcd.tls import os_reason, verify_server_chain
+
+if TYPE_CHECKING:
+    from bcd.gatewayanswer import Response
 
 with warnings.catch_warnings():
     # tlslite's package imports its asyncore integration (deprecated in 3.11).
@@ -143,6 +148,11 @@ class SignerTlsStream(trio.abc.Stream):
         self._closed = False
 
     @property
+    def socket(self) -> socket.socket:
+        """The TCP socket (whether an idle connection was closed by the gateway)."""
+        return self._sock
+
+    @property
     def version(self) -> tuple[int, int]:
         """The negotiated protocol version: (3, 4) is TLS 1.3, (3, 3) TLS 1.2."""
         return tuple(self._conn.version)
@@ -186,6 +196,43 @@ class SignerTlsStream(trio.abc.Stream):
         await trio.lowlevel.checkpoint()
 
 
+class _Deadline:
+    """Shuts the handshake's socket down at the deadline or on cancellation.
+
+    tlslite blocks in a worker thread with a per-I/O socket timeout only; a peer
+    dripping a byte within each timeout would hold it forever. Shutting the socket
+    down ends every blocked read or write at once, whoever calls :meth:`fire`.
+    """
+
+    def __init__(self, timeout: float) -> None:
+        self._lock = threading.Lock()
+        self._sock: socket.socket | None = None
+        self.fired = False
+        self._timer = threading.Timer(timeout, self.fire)
+        self._timer.daemon = True
+        self._timer.start()
+
+    def attach(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._sock = sock
+            if self.fired:
+                _shutdown(sock)
+
+    def fire(self) -> None:
+        with self._lock:
+            self.fired = True
+            if self._sock is not None:
+                _shutdown(self._sock)
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+
+def _shutdown(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+
+
 def _handshake(
     host: str,
     port: int,
@@ -195,9 +242,14 @@ def _handshake(
     public_key: ec.EllipticCurvePublicKey,
     sign_digest_sync: SignDigest,
     timeout: float,
+    deadline: _Deadline,
 ) -> tuple[TLSConnection, socket.socket]:
-    """Connect and handshake (blocking, in a worker thread); the chain is pinned."""
+    """Connect and handshake (blocking, in a worker thread); the chain is pinned.
+
+    ``deadline`` bounds connect and handshake together (``timeout`` is per I/O).
+    """
     where = f"{host}:{port}"
+    timed_out = f"TLS handshake with the gateway at {where} timed out"
     try:
         sock = socket.create_connection((host, port), timeout=timeout)
     except TimeoutError as exc:
@@ -205,6 +257,7 @@ def _handshake(
     except OSError as exc:
         raise TransportError(f"cannot reach the gateway at {where}: {os_reason(exc)}") from exc
     try:
+        deadline.attach(sock)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         certs = X509CertChain()
         try:
@@ -222,11 +275,16 @@ def _handshake(
                 alpn=[bytearray(b"http/1.1")],
             )
         except TimeoutError as exc:
-            raise TransportError(f"TLS handshake with the gateway at {where} timed out") from exc
+            raise TransportError(timed_out) from exc
         except (TLSError, OSError, ValueError, AssertionError) as exc:
+            if deadline.fired:
+                raise TransportError(timed_out) from exc
             raise TransportError(
                 f"TLS handshake with the gateway at {where} failed: {exc!r}"
             ) from exc
+        deadline.cancel()
+        if deadline.fired:  # it fired as the handshake finished: the socket is shut
+            raise TransportError(timed_out)
         # Again on the finished session, before any request byte.
         verify_server_chain(
             _chain_der(conn.session.serverCertChain),
@@ -249,25 +307,38 @@ async def connect_with_signer(
     public_key: ec.EllipticCurvePublicKey,
     sign_digest_sync: SignDigest,
     *,
-    timeout: float = 15.0,  # noqa: ASYNC109 - socket timeout for connect and each I/O
+    timeout: float = 15.0,  # noqa: ASYNC109 - bounds connect and handshake together
 ) -> SignerTlsStream:
     """Like :func:`bcd.tls.connect_pinned`, with the client key signing through a callback.
 
     ``chain_pem`` is the node's certificate chain (leaf first) and ``public_key`` the
     leaf's key; ``sign_digest_sync`` signs the CertificateVerify digest. Raises
-    :class:`TransportError` (a :class:`PeerVerificationError` for the pin).
+    :class:`TransportError` (a :class:`PeerVerificationError` for the pin). ``timeout``
+    bounds connect and handshake together; a cancellation shuts the socket down and
+    leaves the worker thread to finish on its own.
     """
-    conn, sock = await trio.to_thread.run_sync(
-        _handshake,
-        host,
-        port,
-        server_name,
-        serving_ca_pin,
-        chain_pem,
-        public_key,
-        sign_digest_sync,
-        timeout,
-    )
+    deadline = _Deadline(timeout)
+    try:
+        conn, sock = await trio.to_thread.run_sync(
+            functools.partial(
+                _handshake,
+                host,
+                port,
+                server_name,
+                serving_ca_pin,
+                chain_pem,
+                public_key,
+                sign_digest_sync,
+                timeout,
+                deadline,
+            ),
+            abandon_on_cancel=True,
+        )
+    except BaseException:
+        deadline.fire()
+        raise
+    finally:
+        deadline.cancel()
     return SignerTlsStream(conn, sock)
 
 
@@ -287,10 +358,21 @@ async def request_with_signer(
     timeout: float = 30.0,  # noqa: ASYNC109 - bounds the exchange after the handshake
 ) -> Response:
     """Connect with the signer, send one request, read the whole answer, close."""
-    stream = await connect_with_signer(
-        host, port, server_name, serving_ca_pin, chain_pem, public_key, sign_digest_sync
-    )
-    try:
-        return await request(stream, method, target, server_name, body, headers, timeout=timeout)
-    finally:
-        await trio.aclose_forcefully(stream)
+    from bcd.gatewayclient import GatewayClient
+    from bcd.transport import DialTransport
+
+    async def dial(dial_host: str, dial_port: int) -> trio.abc.Stream:
+        return await connect_with_signer(
+            dial_host,
+            dial_port,
+            server_name,
+            serving_ca_pin,
+            chain_pem,
+            public_key,
+            sign_digest_sync,
+        )
+
+    async with GatewayClient(
+        DialTransport(dial), host=host, port=port, server_name=server_name, timeout=timeout
+    ) as client:
+        return await client.request(method, target, body, headers)

@@ -18,10 +18,10 @@ import trio
 
 from bcd import pki, wire
 from bcd.config import Config
-from bcd.errors import BcdError, GatewayUnauthenticated, JoinError, RetryableError
-from bcd.identity import LoadedState
+from bcd.errors import BcdError, GatewayUnauthenticated, JoinError
+from bcd.gatewayanswer import Response, refusal
+from bcd.keys.node import node_key_of
 from bcd.node import helper_keys, load_identity
-from bcd.rejoin import sign_digest_p1363
 from bcd.revocation import judge_unauthenticated
 from bcd.session import post_as_node
 
@@ -57,19 +57,12 @@ def vouch_answer(status: int, body: bytes, pushback_ms: str = "") -> dict[str, A
             return wire.loads_object(body, 4096)
         except wire.WireError as exc:
             raise JoinError("the gateway's answer to the vouch is not JSON") from exc
-    err = wire.parse_error(body)
-    if err is None:
-        raise RetryableError(f"the gateway answered HTTP {status}")
-    if err.code == "UNAUTHENTICATED":
-        notice = wire.loads_object(body, 64 * 1024).get("notice") if body else None
-        raise GatewayUnauthenticated(
-            "this site agent's certificate is not live (revoked or expired)", notice
-        )
-    if err.code in wire.RETRYABLE:
-        wait = wire.parse_pushback(pushback_ms)
-        later = f"; ask again in {wait:.0f} s" if wait is not None else "; ask again later"
-        raise RetryableError(f"{err.code}: {err.message}{later}", wait)
-    raise JoinError(f"the vouch was refused: {err.code}: {err.message}")
+    raise refusal(
+        Response(status, {"retry-pushback-ms": pushback_ms}, body),
+        failed="the vouch was refused",
+        unauthenticated="this site agent's certificate is not live (revoked or expired)",
+        say_when=True,
+    )
 
 
 async def vouch(
@@ -82,13 +75,9 @@ async def vouch(
             f"this node is a {state.identity.role}, not a site agent: only a node joined with "
             "bcd join --role site may vouch for machines"
         )
-    if isinstance(state, LoadedState):
-        key = state.key
-        sign: Callable[[bytes], bytes] = lambda digest: sign_digest_p1363(key, digest)  # noqa: E731
-    elif tpm is not None:
-        sign = tpm.signer(state.record)
-    else:  # pragma: no cover - load_identity gives a TPM-held state only with a helper
-        raise BcdError("this site agent's key is in the TPM and no [helper] is configured")
+    # a file key, or the TPM-held key through bcd helper (load_identity gives a TPM-held
+    # state only with a helper); its signer runs in the worker thread below
+    sign = node_key_of(state, tpm=tpm).digest_signer()
     fields = vouch_fields(mac, boot_lease_epoch, ip, workflow_id)
     now_ms = int(datetime.now(UTC).timestamp() * 1000)
     body = await trio.to_thread.run_sync(

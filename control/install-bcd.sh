@@ -4,6 +4,8 @@
 #   BCD_JOIN_TOKEN=bcjt_... sudo -E sh install-bcd.sh   # the token in the environment
 #   sudo sh install-bcd.sh < token-file                 # or on standard input
 #   sudo sh install-bcd.sh < /dev/null                  # no token: upgrade a joined host
+#   BCD_JOIN_ATTESTOR=NAME sudo -E sh install-bcd.sh < /dev/null   # join with an attestor
+#                                                       # plugin bundled in bcd, no token
 #
 # The token is read only from BCD_JOIN_TOKEN or standard input, never from an
 # argument or a URL, leaves the environment before any process is started, is passed
@@ -18,10 +20,13 @@
 #   4. creates the bcd system user and /etc/bcd (0755), /var/lib/bcd (0700, bcd),
 #      /var/lib/bcd-hostconfig (0700, root);
 #   5. with a token: writes /etc/bcd/config.toml and /etc/bcd/join-encryption.jwk
-#      (0644, temporary file and rename);
+#      (0644, temporary file and rename); /etc/bcd/serving-ca.pem (the serving CA
+#      certificate, the node's TLS trust anchor) with a token, and on an upgrade
+#      when it is missing;
 #   6. installs the systemd units and tmpfiles.d entry under /usr/local/lib and points
 #      /usr/local/bin/bcd at the new version (a symlink, switched by rename);
-#   7. with a token: runs `bcd join` with the token on standard input;
+#   7. with a token: runs `bcd join` with the token on standard input (with
+#      BCD_JOIN_ATTESTOR and no token: `bcd join --attestor NAME`);
 #   8. enables bcd-join.service, bcd-helper.service and bcd.service and starts (a first
 #      install) or restarts (an upgrade) bcd-helper.service and bcd.service.
 # A failure before the join is done removes what this run created and restores what
@@ -44,6 +49,8 @@ elif [ ! -t 0 ]; then
     read -r token || true
 fi
 unset BCD_JOIN_TOKEN || true
+# Or no token and an attestor plugin in the artifact joins (not a secret).
+attestor=${BCD_JOIN_ATTESTOR:-}
 
 # @@RENDERED@@
 
@@ -55,6 +62,7 @@ TMPFILESDIR=/usr/local/lib/tmpfiles.d
 CONF_DIR=/etc/bcd
 CONFIG=$CONF_DIR/config.toml
 JWK=$CONF_DIR/join-encryption.jwk
+SERVING_CA=$CONF_DIR/serving-ca.pem
 DATA_DIR=/var/lib/bcd
 HOSTCONFIG_DIR=/var/lib/bcd-hostconfig
 BCD_USER=bcd
@@ -181,6 +189,13 @@ if [ -n "$token" ]; then
     if [ "${#token}" -gt 512 ]; then
         die "the join token is too long for a join token (bcjt_...); it was not echoed"
     fi
+    [ -z "$attestor" ] || die "both a join token and BCD_JOIN_ATTESTOR; pass only one (the token joins with join-token)"
+    MODE=install
+elif [ -n "$attestor" ]; then
+    case $attestor in
+        *[!a-z0-9-]*|-*) die "BCD_JOIN_ATTESTOR is not an attestor name (a-z, 0-9 and -)" ;;
+    esac
+    [ "${#attestor}" -le 64 ] || die "BCD_JOIN_ATTESTOR is not an attestor name (at most 64 characters)"
     MODE=install
 elif [ -f "$CONFIG" ]; then
     MODE=upgrade
@@ -269,7 +284,7 @@ dir "$CONF_DIR" root:root 0755
 dir "$DATA_DIR" "$BCD_USER:$BCD_USER" 0700
 dir "$HOSTCONFIG_DIR" root:root 0700
 
-# --- 5. config.toml and join-encryption.jwk ----------------------------------------------
+# --- 5. config.toml, join-encryption.jwk and serving-ca.pem --------------------------------
 if [ "$MODE" = install ]; then
     # Here-documents, not pipelines: put must run in this shell to record its undo.
     put "$CONFIG" 0644 <<EOF
@@ -277,6 +292,13 @@ $CONFIG_TOML
 EOF
     put "$JWK" 0644 <<EOF
 $JOIN_JWK
+EOF
+fi
+# serving-ca.pem: checked against serving_ca_spki_pin when the script was rendered,
+# and by bcd when it loads it.
+if [ -n "$SERVING_CA_PEM" ] && { [ "$MODE" = install ] || [ ! -e "$SERVING_CA" ]; }; then
+    put "$SERVING_CA" 0644 <<EOF
+$SERVING_CA_PEM
 EOF
 fi
 
@@ -299,7 +321,10 @@ mv -f "$BIN.$$.tmp" "$BIN"
 LINK_SWITCHED=yes
 
 # --- 7. join ------------------------------------------------------------------------------
-if [ "$MODE" = install ]; then
+if [ "$MODE" = install ] && [ -n "$attestor" ]; then
+    "$BIN" join --config "$CONFIG" --server "$BASE_URL" --attestor "$attestor" </dev/null ||
+        die "bcd join failed (above)"
+elif [ "$MODE" = install ]; then
     # printf is built in: the token reaches bcd join through the pipe alone.
     if ! printf '%s\n' "$token" | "$BIN" join --config "$CONFIG" --server "$BASE_URL"; then
         token=""

@@ -4,9 +4,11 @@ The template is ``control/install-bcd.sh`` (the repository's ``install-bcd.sh`` 
 to it); its line ``# @@RENDERED@@`` is replaced by shell assignments: the bcd version,
 the control plane's base URL and base path, the pool and site, the SHA-256 of each
 architecture's artifact, the text of ``/etc/bcd/config.toml`` (built with
+:func:`bcd.config.config_from_table`, written by tomli-w in
 :func:`bcd.config.render_config` and read back with :func:`bcd.config.parse_config`,
-so the script never writes a configuration bcd would refuse) and the join encryption
-key as a public JWK.
+so the script never writes a configuration bcd would refuse), the join encryption
+key as a public JWK, and the serving CA certificate (``serving-ca.pem``, checked
+against ``serving_ca_spki_pin``).
 
 Every input is validated first (:class:`InstallScriptError`, one line naming the
 flag); values are then single-quoted for the shell (:func:`sh_quote`), so nothing an
@@ -16,7 +18,6 @@ operator passes can run as code in the script even if a check were too lax.
 from __future__ import annotations
 
 import ipaddress
-import json
 import re
 from dataclasses import dataclass, replace
 from importlib import resources
@@ -25,8 +26,15 @@ from urllib.parse import urlsplit
 
 from bcd import pki as bcd_pki
 from bcd import wire
-from bcd.config import DEFAULT_CONFIG_PATH, HelperConfig, parse_config, render_config
+from bcd.config import (
+    DEFAULT_CONFIG_PATH,
+    HelperConfig,
+    config_from_table,
+    parse_config,
+    render_config,
+)
 from bcd.errors import ConfigError
+from bcd.tls import anchor_of
 
 MARKER = "# @@RENDERED@@\n"
 TEMPLATE = "install-bcd.sh"
@@ -56,6 +64,7 @@ class ScriptValues:
     sha256: dict[str, str]
     config_toml: str
     join_jwk: str
+    serving_ca_pem: str = ""
 
 
 def sh_quote(value: str) -> str:
@@ -131,6 +140,7 @@ def build_values(
     pins: dict[str, str],
     join_jwk: dict[str, object],
     server_name: str | None = None,
+    serving_ca_pem: str | None = None,
 ) -> ScriptValues:
     """Validate the inputs and build the config.toml text; raise InstallScriptError."""
     for flag, value in (("pool", pool), ("site", site)):
@@ -143,15 +153,17 @@ def build_values(
     key = wire.public_key_of_jwk(join_jwk)
     if not bcd_pki.pins_equal(bcd_pki.spki_pin(key), pins["join_encryption_key_pin"]):
         raise InstallScriptError("the PKI's join encryption key does not match its own pin")
-    lines = [
-        f"gateway_url = {json.dumps(gateway_url)}",
-        f"site = {json.dumps(site)}",
-        *(f"{k} = {json.dumps(pins[k])}" for k in sorted(pins)),
-    ]
+    anchor = ""
+    if serving_ca_pem is not None:
+        try:
+            anchor = anchor_of(serving_ca_pem, pins["serving_ca_spki_pin"]).pem
+        except ValueError as exc:
+            raise InstallScriptError(f"the PKI's serving CA certificate: {exc}") from exc
+    table: dict[str, object] = {"gateway_url": gateway_url, "site": site, **pins}
     if server_name is not None:
-        lines.append(f"server_name = {json.dumps(server_name)}")
+        table["server_name"] = server_name
     try:
-        parsed = parse_config("\n".join(lines) + "\n", DEFAULT_CONFIG_PATH)
+        parsed = config_from_table(table, DEFAULT_CONFIG_PATH)
     except ConfigError as exc:
         message = str(exc).replace(f"{DEFAULT_CONFIG_PATH}: ", "")
         flag = "--server-name" if "server_name" in message else "--gateway-url"
@@ -170,6 +182,7 @@ def build_values(
         sha256=digests,
         config_toml=text,
         join_jwk=wire.dumps(wire.public_jwk_of(key)).decode("ascii"),
+        serving_ca_pem=anchor.rstrip("\n"),
     )
 
 
@@ -193,6 +206,7 @@ def render(values: ScriptValues, text: str | None = None) -> str:
         *(f"SHA256_{arch.upper()}={sh_quote(values.sha256.get(arch, ''))}" for arch in ARCHES),
         f"CONFIG_TOML={sh_quote(values.config_toml)}",
         f"JOIN_JWK={sh_quote(values.join_jwk)}",
+        f"SERVING_CA_PEM={sh_quote(values.serving_ca_pem)}",
     ]
     return text.replace(MARKER, "\n".join(assignments) + "\n")
 

@@ -1,4 +1,5 @@
-"""The HTTP/TLS layer: pinned client, h11 client and server, over real TLS on loopback."""
+"""The HTTP/TLS layer: pinned TLS, the gateway client (httpx) and the h11 server, over real
+TLS on loopback."""
 
 from __future__ import annotations
 
@@ -22,9 +23,11 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bcd import httpclient, pki
-from bcd.errors import TransportError
-from bcd.tls import connect_pinned, verify_server_chain
+from bcd import gatewayclient, pki
+from bcd.errors import PeerVerificationError, TransportError
+from bcd.gatewayclient import GatewayClient
+from bcd.tls import Anchor, anchor_of, connect_pinned, verify_server_chain
+from bcd.transport import DialTransport
 from control import http
 from control.pki import make_ca
 
@@ -120,6 +123,10 @@ class Material:
     def chain_der(self) -> list[bytes]:
         return [self.leaf.public_bytes(DER), self.ca.public_bytes(DER)]
 
+    @property
+    def anchor(self) -> Anchor:
+        return anchor_of(_pem(self.ca), self.pin)
+
 
 @functools.cache
 def material() -> Material:
@@ -177,6 +184,10 @@ class Server:
             return http.Response(200, stream=self._forever())
         if request.path == "/bigline":
             return http.Response(200, stream=self._bigline())
+        if request.path == "/gzip":
+            return http.Response(200, headers=[("content-encoding", "gzip")], body=b"\x1f\x8b")
+        if request.path == "/moved":
+            return http.Response(302, headers=[("location", "/elsewhere")], body=b"")
         return http.json_response(
             200, {"path": request.path, "query": request.query, "size": len(request.body)}
         )
@@ -196,7 +207,7 @@ class Server:
             self.stream_closed.set()
 
     async def _bigline(self) -> AsyncIterator[bytes]:
-        yield b"x" * (httpclient.MAX_LINE + 10)
+        yield b"x" * (gatewayclient.MAX_LINE + 10)
 
 
 @pytest.fixture
@@ -219,19 +230,29 @@ async def _connect(
     srv: Server, name: str = "gw.test", client_cert: tuple[str, bytes] | None = None
 ) -> trio.SSLStream[trio.SocketStream]:
     return await connect_pinned(
-        "127.0.0.1", srv.port, name, material().pin, client_cert=client_cert, timeout=5
+        "127.0.0.1", srv.port, name, material().anchor, client_cert=client_cert, timeout=5
     )
+
+
+def _client(
+    srv: Server, name: str = "gw.test", client_cert: tuple[str, bytes] | None = None
+) -> GatewayClient:
+    """The gateway client over the real pinned dial (the file-key transport)."""
+
+    async def dial(host: str, port: int) -> trio.abc.Stream:
+        return await connect_pinned(
+            host, port, name, material().anchor, client_cert=client_cert, timeout=5
+        )
+
+    return GatewayClient(DialTransport(dial), host="127.0.0.1", port=srv.port, server_name=name)
 
 
 # --- pinned TLS -------------------------------------------------------------------
 
 
 async def test_pinned_request_reaches_handler(server: Server) -> None:
-    stream = await _connect(server)
-    try:
-        resp = await httpclient.request(stream, "POST", "/v1/join?a=1&b=", "gw.test", b'{"x":1}')
-    finally:
-        await stream.aclose()
+    async with _client(server) as client:
+        resp = await client.request("POST", "/v1/join?a=1&b=", b'{"x":1}')
     assert resp.status == 200
     assert resp.headers["content-type"] == "application/json"
     assert json.loads(resp.body) == {"path": "/v1/join", "query": {"a": "1", "b": ""}, "size": 7}
@@ -240,6 +261,7 @@ async def test_pinned_request_reaches_handler(server: Server) -> None:
     assert seen.body == b'{"x":1}'
     assert seen.peer_cert_der is None
     assert seen.headers["host"] == "gw.test"
+    assert seen.headers["accept-encoding"] == "identity"
     assert seen.remote.startswith("127.0.0.1:")
 
 
@@ -268,22 +290,26 @@ async def test_wrong_pin_sends_no_byte(nursery: trio.Nursery, tmp_path: Path) ->
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, raw, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]
-    with pytest.raises(TransportError, match=r"does not chain to the pinned serving CA"):
-        await connect_pinned("127.0.0.1", port, "gw.test", material().other_pin, timeout=5)
+    another = _make_ca("another CA")
+    other = Anchor(pin=pki.spki_pin(another[1].public_key()), pem=_pem(another[0]))
+    with pytest.raises(PeerVerificationError, match=r"does not chain to the pinned serving CA"):
+        await connect_pinned("127.0.0.1", port, "gw.test", other, timeout=5)
     with trio.fail_after(5):
         await done.wait()
     assert received == []
 
 
 async def test_wrong_pin_never_reaches_handler(server: Server) -> None:
-    with pytest.raises(TransportError, match=r"serving_ca_spki_pin"):
-        await connect_pinned("127.0.0.1", server.port, "gw.test", material().other_pin)
+    impostor = _make_ca("impostor")
+    other = Anchor(pin=pki.spki_pin(impostor[1].public_key()), pem=_pem(impostor[0]))
+    with pytest.raises(PeerVerificationError, match=r"serving_ca_spki_pin"):
+        await connect_pinned("127.0.0.1", server.port, "gw.test", other)
     await trio.sleep(0.1)
     assert server.requests == []
 
 
 async def test_wrong_server_name(server: Server) -> None:
-    with pytest.raises(TransportError, match=r"not valid for other\.test"):
+    with pytest.raises(PeerVerificationError, match=r"not valid for other\.test"):
         await _connect(server, name="other.test")
     assert server.requests == []
 
@@ -293,16 +319,13 @@ async def test_unreachable() -> None:
         await sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     with pytest.raises(TransportError, match=r"cannot reach the gateway at 127\.0\.0\.1:"):
-        await connect_pinned("127.0.0.1", port, "gw.test", material().pin, timeout=5)
+        await connect_pinned("127.0.0.1", port, "gw.test", material().anchor, timeout=5)
 
 
 async def test_client_certificate_seen_by_server(server: Server) -> None:
     m = material()
-    stream = await _connect(server, client_cert=(_pem(m.client, m.ca), _key_pem(m.client_key)))
-    try:
-        resp = await httpclient.request(stream, "POST", "/v1/renew", "gw.test", b"{}")
-    finally:
-        await stream.aclose()
+    async with _client(server, client_cert=(_pem(m.client, m.ca), _key_pem(m.client_key))) as c:
+        resp = await c.renew(b"{}")
     assert resp.status == 200
     assert server.requests[0].peer_cert_der == m.client.public_bytes(DER)
 
@@ -389,11 +412,8 @@ def test_verify_server_chain_raises_only_transport_error(
 
 
 async def test_oversized_body_gets_413(server: Server) -> None:
-    stream = await _connect(server)
-    try:
-        resp = await httpclient.request(stream, "POST", "/v1/join", "gw.test", b"x" * 100_000)
-    finally:
-        await stream.aclose()
+    async with _client(server) as client:
+        resp = await client.join(b"x" * 100_000)
     assert resp.status == 413
     assert json.loads(resp.body) == {
         "code": "INVALID_ARGUMENT",
@@ -405,12 +425,9 @@ async def test_oversized_body_gets_413(server: Server) -> None:
 async def test_handler_exception_is_500_without_its_text(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
-    stream = await _connect(server)
-    try:
+    async with _client(server) as client:
         with caplog.at_level(logging.ERROR, logger="control.http"):
-            resp = await httpclient.request(stream, "GET", "/boom", "gw.test")
-    finally:
-        await stream.aclose()
+            resp = await client.request("GET", "/boom")
     assert resp.status == 503
     assert json.loads(resp.body) == {"code": "UNAVAILABLE", "message": "internal error"}
     assert b"secret-detail-xyz" not in resp.body
@@ -433,30 +450,22 @@ async def test_malformed_request_gets_400(server: Server) -> None:
 
 
 async def test_keep_alive_two_requests_one_connection(server: Server) -> None:
-    stream = await _connect(server)
-    try:
-        first = await httpclient.request(stream, "GET", "/one", "gw.test")
-        second = await httpclient.request(stream, "POST", "/two", "gw.test", b"{}")
-    finally:
-        await stream.aclose()
+    async with _client(server) as client:
+        first = await client.request("GET", "/one")
+        second = await client.post("/two", b"{}")
     assert (first.status, second.status) == (200, 200)
     assert [r.path for r in server.requests] == ["/one", "/two"]
     assert server.requests[0].remote == server.requests[1].remote
 
 
 async def test_streamed_lines(server: Server) -> None:
-    stream = await _connect(server)
-    try:
-        status, headers, lines = await httpclient.open_lines(
-            stream, "POST", "/stream", "gw.test", b"{}"
-        )
-        got = [json.loads(line) async for line in lines]
+    async with _client(server) as client:
+        async with client.stream_lines("POST", "/stream", b"{}") as lines:
+            got = [json.loads(line) async for line in lines]
         # the connection is still good for another request afterwards
-        again = await httpclient.request(stream, "GET", "/after", "gw.test")
-    finally:
-        await stream.aclose()
-    assert status == 200
-    assert headers["transfer-encoding"] == "chunked"
+        again = await client.request("GET", "/after")
+    assert lines.status == 200
+    assert lines.headers["transfer-encoding"] == "chunked"
     assert got == [
         {"type": "welcome", "session_id": "s1"},
         {"type": "ping"},
@@ -464,30 +473,26 @@ async def test_streamed_lines(server: Server) -> None:
         {"type": "revocation"},
     ]
     assert again.status == 200
+    assert server.requests[0].remote == server.requests[1].remote
 
 
 async def test_stream_stops_when_client_leaves(server: Server) -> None:
-    stream = await _connect(server)
-    status, _, lines = await httpclient.open_lines(stream, "POST", "/forever", "gw.test", b"{}")
-    assert status == 200
-    assert await lines.__anext__() == b'{"type":"ping"}'
-    await lines.aclose()
-    await trio.aclose_forcefully(stream)
+    async with _client(server) as client, client.stream_lines("POST", "/forever", b"{}") as lines:
+        assert lines.status == 200
+        assert await aiter(lines).__anext__() == b'{"type":"ping"}'
     with trio.fail_after(5):
         await server.stream_closed.wait()
 
 
 async def test_line_too_long(server: Server) -> None:
-    stream = await _connect(server)
-    try:
-        _, _, lines = await httpclient.open_lines(stream, "GET", "/bigline", "gw.test")
-        with pytest.raises(TransportError, match="over 65536 bytes"):
-            async for _ in lines:
-                pass
-        with pytest.raises(TransportError, match="cannot be reused"):
-            await httpclient.request(stream, "GET", "/next", "gw.test")
-    finally:
-        await stream.aclose()
+    async with _client(server) as client:
+        async with client.stream_lines("GET", "/bigline") as lines:
+            with pytest.raises(TransportError, match="over 65536 bytes"):
+                async for _ in lines:
+                    pass
+        # that connection is not reused: the next request has a new one
+        assert (await client.request("GET", "/next")).status == 200
+    assert server.requests[0].remote != server.requests[1].remote
 
 
 async def test_idle_connection_is_closed(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -504,7 +509,7 @@ async def test_fetch_url_plain_http(nursery: trio.Nursery) -> None:
     srv = Server()
     port = await nursery.start(http.serve, srv.handler, "127.0.0.1", 0)
     url = f"http://127.0.0.1:{port}/api/compute/.well-known/better-compute?v=1"
-    resp = await httpclient.fetch_url(url, timeout=5)
+    resp = await gatewayclient.fetch_url(url, timeout=5)
     assert resp.status == 200
     assert json.loads(resp.body)["path"] == "/api/compute/.well-known/better-compute"
     assert srv.requests[0].query == {"v": "1"}
@@ -513,7 +518,7 @@ async def test_fetch_url_plain_http(nursery: trio.Nursery) -> None:
 
 async def test_fetch_url_refuses_other_schemes() -> None:
     with pytest.raises(TransportError, match="not an http"):
-        await httpclient.fetch_url("ftp://example.test/x")
+        await gatewayclient.fetch_url("ftp://example.test/x")
 
 
 def test_error_response_uses_wire_status() -> None:
@@ -528,7 +533,7 @@ async def test_tls_handshake_failure(nursery: trio.Nursery) -> None:
     srv = Server()
     port = await nursery.start(http.serve, srv.handler, "127.0.0.1", 0)  # plain HTTP
     with pytest.raises(TransportError, match=r"TLS handshake with the gateway at .* failed"):
-        await connect_pinned("127.0.0.1", port, "gw.test", material().pin, timeout=5)
+        await connect_pinned("127.0.0.1", port, "gw.test", material().anchor, timeout=5)
 
 
 async def test_tls_handshake_timeout(nursery: trio.Nursery) -> None:
@@ -538,4 +543,32 @@ async def test_tls_handshake_timeout(nursery: trio.Nursery) -> None:
     listeners = await nursery.start(functools.partial(trio.serve_tcp, silent, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]
     with pytest.raises(TransportError, match="timed out"):
-        await connect_pinned("127.0.0.1", port, "gw.test", material().pin, timeout=0.3)
+        await connect_pinned("127.0.0.1", port, "gw.test", material().anchor, timeout=0.3)
+
+
+async def test_fetch_url_https_is_verified_by_the_system_store(
+    server: Server, nursery: trio.Nursery
+) -> None:
+    url = f"https://127.0.0.1:{server.port}/api/compute/.well-known/better-compute"
+    with pytest.raises(
+        TransportError, match=r"^TLS handshake with 127\.0\.0\.1:\d+ failed: CERTIFICATE_VERIFY"
+    ):
+        await gatewayclient.fetch_url(url, timeout=5)
+    with trio.socket.socket() as sock:  # a port nobody listens on
+        await sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(TransportError, match=r"^cannot reach 127\.0\.0\.1:\d+: Connection refused"):
+        await gatewayclient.fetch_url(f"http://127.0.0.1:{port}/x", timeout=5)
+    assert server.requests == []
+
+
+async def test_no_decompression_and_no_redirect(server: Server) -> None:
+    async with _client(server) as client:
+        with pytest.raises(
+            TransportError,
+            match=r"^gw\.test sent a response with Content-Encoding gzip; bcd accepts identity only$",
+        ):
+            await client.request("GET", "/gzip")
+        moved = await client.request("GET", "/moved")
+    assert moved.status == 302  # judged by the caller, never followed
+    assert [r.path for r in server.requests] == ["/gzip", "/moved"]

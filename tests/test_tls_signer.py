@@ -28,8 +28,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_ds
 
 from bcd import pki
 from bcd.errors import PeerVerificationError, TransportError
-from bcd.httpclient import open_lines, request
+from bcd.gatewayclient import GatewayClient, Response
 from bcd.tls_signer import SignDigest, connect_with_signer, request_with_signer
+from bcd.transport import DialTransport
 from control import http
 from control.pki import Pki, issue_node_leaf, make_gateway_cert, server_ssl_context
 from tests.swtpm import SwTpm
@@ -123,6 +124,23 @@ async def gateway(nursery: trio.Nursery, memory_pki: Pki) -> Gateway:
     return await _gateway(nursery, memory_pki)
 
 
+def _over(stream: trio.abc.Stream) -> GatewayClient:
+    """The gateway client on this one handshaken stream (not closed with the client)."""
+
+    async def dial(host: str, port: int) -> trio.abc.Stream:
+        return stream
+
+    return GatewayClient(DialTransport(dial), host="127.0.0.1", port=443, server_name=NAME)
+
+
+async def request(
+    stream: trio.abc.Stream, method: str, path: str, name: str, body: bytes | None = None
+) -> Response:
+    """One request on ``stream`` through the gateway client; the stream stays open."""
+    assert name == NAME
+    return await _over(stream).request(method, path, body)
+
+
 def _leaf_der(chain_pem: str) -> bytes:
     return pki.load_pem_chain(chain_pem)[0].public_bytes(serialization.Encoding.DER)
 
@@ -178,15 +196,14 @@ async def test_tls12_client_auth_works_too(nursery: trio.Nursery, memory_pki: Pk
     assert len(signer.digests) == 1
 
 
-async def test_lines_stream_through_open_lines(gateway: Gateway) -> None:
+async def test_lines_stream_through_the_gateway_client(gateway: Gateway) -> None:
     signer = Signer()
     chain = gateway.node_chain(signer.key.public_key())
     stream = await connect_with_signer(
         "127.0.0.1", gateway.port, NAME, gateway.pin, chain, signer.key.public_key(), signer
     )
-    async with stream:
-        status, _headers, lines = await open_lines(stream, "POST", "/lines", NAME, b"{}")
-        assert status == 200
+    async with stream, _over(stream).stream_lines("POST", "/lines", b"{}") as lines:
+        assert lines.status == 200
         got = [json.loads(line) async for line in lines]
     assert got == [{"n": 0}, {"n": 1}, {"n": 2}]
 
@@ -278,9 +295,9 @@ async def test_the_helper_signs_the_handshake_with_the_tpm_key(
     swtpm: SwTpm, gateway: Gateway, sockdir: Path
 ) -> None:
     from bcd.tpm.record import create_node_key_record
-    from tests.test_helper import _settings, running
+    from tests.world.agent import helper_settings, running
 
-    async with running(_settings(swtpm, sockdir)) as client:
+    async with running(helper_settings(swtpm, sockdir)) as client:
         record = create_node_key_record()
         key = await client.nodekey(record)
         record = record.pinned(key.public_key)
@@ -309,3 +326,73 @@ async def test_the_helper_signs_the_handshake_with_the_tpm_key(
     leaf = x509.load_der_x509_certificate(_leaf_der(chain))
     assert pki.same_public_key(leaf.public_key(), key.public_key)  # type: ignore[arg-type]
     print(f"handshake with the TPM key: {[f'{t * 1000:.0f} ms' for t in times]}")
+
+
+# --- a gateway that drips bytes: the handshake has a total deadline ---------------------
+
+
+async def _dripping_gateway(
+    nursery: trio.Nursery, closed: trio.Event, interval: float = 0.1
+) -> int:
+    """A TCP server that starts a large TLS record and sends it a byte at a time."""
+
+    async def drip(tcp: trio.SocketStream) -> None:
+        try:
+            await tcp.send_all(b"\x16\x03\x03\x40\x00")  # a handshake record of 16 KiB
+            while True:
+                await trio.sleep(interval)
+                await tcp.send_all(b"\x00")
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
+            closed.set()
+        finally:
+            await trio.aclose_forcefully(tcp)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, drip, 0, host="127.0.0.1"))
+    port: int = listeners[0].socket.getsockname()[1]
+    return port
+
+
+async def test_a_dripping_gateway_hits_the_handshake_deadline(
+    nursery: trio.Nursery, memory_pki: Pki
+) -> None:
+    signer, closed = Signer(), trio.Event()
+    port = await _dripping_gateway(nursery, closed)
+    start = time.monotonic()
+    with pytest.raises(
+        TransportError, match=rf"^TLS handshake with the gateway at 127.0.0.1:{port} timed out$"
+    ):
+        await connect_with_signer(
+            "127.0.0.1",
+            port,
+            NAME,
+            memory_pki.pins()["serving_ca_spki_pin"],
+            "",
+            signer.key.public_key(),
+            signer,
+            timeout=1.0,
+        )
+    assert time.monotonic() - start < 3.0  # each byte came well within the per-I/O timeout
+    assert signer.digests == []
+
+
+async def test_cancelling_the_handshake_shuts_its_socket_down(
+    nursery: trio.Nursery, memory_pki: Pki
+) -> None:
+    signer, closed = Signer(), trio.Event()
+    port = await _dripping_gateway(nursery, closed)
+    start = time.monotonic()
+    with trio.move_on_after(0.5) as scope:
+        await connect_with_signer(
+            "127.0.0.1",
+            port,
+            NAME,
+            memory_pki.pins()["serving_ca_spki_pin"],
+            "",
+            signer.key.public_key(),
+            signer,
+            timeout=60.0,
+        )
+    assert scope.cancelled_caught
+    assert time.monotonic() - start < 2.0
+    with trio.fail_after(5):  # the gateway sees the connection end
+        await closed.wait()
