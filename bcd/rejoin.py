@@ -16,12 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, utils
+from cryptography.hazmat.primitives import serialization
 
 from bcd.config import Config, trusted_owners
 from bcd.errors import JoinError, UsageError
-from bcd.identity import AnyState, Derive, LoadedState, load_state
+from bcd.identity import AnyState, Derive, load_state
+from bcd.keys.node import node_key_of
+from bcd.keys.node import sign_digest_p1363 as sign_digest_p1363
 
 X509POP = "x509pop"
 
@@ -47,26 +48,9 @@ class Rejoin:
         return "node" if role == "node-tenant" else role
 
 
-def sign_digest_p1363(key: ec.EllipticCurvePrivateKey, digest: bytes) -> bytes:
-    """ECDSA P-256 over a SHA-256 digest, as P1363 (r || s, 64 bytes)."""
-    r, s = utils.decode_dss_signature(key.sign(digest, ec.ECDSA(utils.Prehashed(hashes.SHA256()))))
-    return r.to_bytes(32, "big") + s.to_bytes(32, "big")
-
-
 def _signer(cfg: Config, state: AnyState) -> Callable[[bytes], bytes]:
-    if isinstance(state, LoadedState):
-        key = state.key
-        return lambda digest: sign_digest_p1363(key, digest)
-    record = state.record
-
-    def sign_in_tpm(digest: bytes) -> bytes:
-        from bcd.tpm.device import open_tpm
-        from bcd.tpm.nodekey import sign
-
-        with open_tpm(cfg.tpm.tcti) as tpm:
-            return sign(tpm, record, digest)
-
-    return sign_in_tpm
+    """The existing key's digest signer: a file key, or the TPM-held key (root opens the TPM)."""
+    return node_key_of(state, tcti=cfg.tpm.tcti).digest_signer()
 
 
 def prepare(

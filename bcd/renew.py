@@ -1,20 +1,22 @@
 """The renewal task (seed 003, "Renewal"): a new key and certificate at 60 % of the leaf.
 
-:func:`renew_once` is the seed's renewOnce for a file key (a TPM-held key renews
-through ``bcd helper`` with :func:`renew_once_tpm`, attaching the AK's
-``key_attestation`` when the leaf names an AK; a file key moves into the TPM at a
-renewal under ``[helper]`` with ``[tpm] mode`` auto or required):
+:func:`renew_once` is the seed's renewOnce, one path for every node key
+(:class:`~bcd.keys.node.NodeKey`: a file key, or a TPM-held key through ``bcd
+helper``, which attaches the AK's ``key_attestation`` when the leaf names an AK; a
+file key moves into the TPM at a renewal under ``[helper]`` with ``[tpm] mode`` auto
+or required):
 
-1. a new P-256 key;
+1. a new key (:class:`~bcd.keys.node.KeyMaker`);
 2. node.key.next written first, then the request: a new CSR, the current chain,
    the client time and the proof of possession by the current key
    (:func:`bcd.pki.renew_pop_message`);
-3. the answer checked (:func:`verify_renewed`): the signature under the pinned
+3. the answer checked (:func:`bcd.issued.verify_renewed`): the signature under the pinned
    join-signing key, kind ``renewed``, this CSR, the new key, and the same node,
    site, trust domain and role as the current leaf;
 4. stored in the seed's order (:func:`bcd.identity.store_renewal`: node.key.next
    again, identity.json, node.key.next renamed over node.key), so a crash at any
-   instant leaves a key and certificate that :func:`bcd.identity.load_state` matches.
+   instant leaves a key and certificate that :func:`bcd.identity.load_state` matches
+   (the state's store: the data directory, or a :class:`~bcd.identity.MemoryStore`).
 
 :func:`renewal_task` sleeps until :func:`renew_at`, renews, and reschedules; a failed
 renewal is logged as ``renewal failed`` with the attempt and ``expiresIn`` and retried
@@ -33,8 +35,7 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import trio
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -50,29 +51,34 @@ from bcd.errors import (
     JoinError,
     RetryableError,
 )
+from bcd.gatewayanswer import refusal
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
-from bcd.httpclient import Response
 from bcd.identity import (
     RENEWAL_STEPS,
-    TPM_NODE_UNSUPPORTED,
     AnyState,
-    Identity,
-    KeyKind,
     LoadedState,
-    LoadedTpmState,
-    format_time,
-    load_state,
-    make_identity,
+    load_from,
+    store_of,
     store_renewal,
     write_next_key,
 )
-from bcd.join import check_issued, verify_signed
-from bcd.keys.file import generate_file_key, key_to_pem
+from bcd.identitystore import StoreOrDir, as_store
+from bcd.issued import issued_identity, verify_renewed
+from bcd.keys.node import AK_MISMATCH as AK_MISMATCH
+from bcd.keys.node import (
+    FileKeyMaker,
+    HelperKeyMaker,
+    KeyMaker,
+    NodeKey,
+    node_key_of,
+    state_with,
+)
 from bcd.revocation import expired, judge_unauthenticated
 from bcd.session import post_as_node
-from bcd.tpm.attestation import KeyAttestation, ak_statement, ak_statements
-from bcd.tpm.record import NodeKeyRecord, create_node_key_record
+
+if TYPE_CHECKING:
+    from bcd.gatewayanswer import Response
 
 RENEW_FRACTION = 0.6
 BACKOFF_FIRST_S = 30.0
@@ -137,78 +143,6 @@ def format_duration(seconds: float) -> str:
     return f"{sign}{secs}s"
 
 
-def build_request(
-    state: LoadedState, next_key: ec.EllipticCurvePrivateKey, client_time_ms: int
-) -> tuple[bytes, wire.RenewRequest]:
-    """The CSR for ``next_key`` and the RenewRequest proving the current key."""
-    csr_der = pki.make_csr(next_key)
-    message = pki.renew_pop_message(csr_der, state.identity.node_id, client_time_ms)
-    return csr_der, wire.RenewRequest(
-        csr_der=csr_der,
-        chain=state.identity.chain,
-        client_time_ms=client_time_ms,
-        pop_sig=pki.sign_p1363(state.key, message),
-    )
-
-
-def verify_renewed(
-    signed: str,
-    *,
-    signing_pin: str,
-    csr_der: bytes,
-    key: ec.EllipticCurvePublicKey,
-    current: pki.LeafInfo,
-) -> dict[str, Any]:
-    """Check a renewal answer; return its body or raise :class:`~bcd.errors.JoinError`.
-
-    The signature under the pinned join-signing key, kind ``renewed``, ``csr_sha256``
-    of this CSR, a leaf certifying ``key``, and the ``current`` leaf's SPIFFE ID
-    (node, site, trust domain) and role.
-    """
-    body = verify_signed(signed, signing_pin=signing_pin, what="renewal")
-    if body.get("kind") != "renewed":
-        raise JoinError(f"the renewal answer is of kind {body.get('kind')!r}, not 'renewed'")
-    check_issued(
-        body,
-        csr_der=csr_der,
-        key=key,
-        roles=(current.role,),
-        expected=current.spiffe,
-        what="renewal",
-    )
-    return body
-
-
-def renewed_identity(state: AnyState, body: dict[str, Any], key: KeyKind = "file") -> Identity:
-    """The Identity of a verified ``renewed`` body.
-
-    Trust version, bundle and server time come from the answer when it carries them,
-    else from the current identity; so does the identity generation.
-    """
-    current = state.identity
-    trust_version = body.get("trust_version")
-    bundle = body.get("bundle")
-    generation = body.get("identity_generation")
-    server_ms = body.get("server_time")
-    server_time = current.server_time
-    if isinstance(server_ms, int) and not isinstance(server_ms, bool) and server_ms >= 0:
-        server_time = format_time(datetime.fromtimestamp(server_ms / 1000, UTC))
-    return make_identity(
-        chain=body["chain"],
-        bundle=bundle if isinstance(bundle, str) and bundle else current.bundle,
-        trust_version=_count_or(trust_version, current.trust_version),
-        server_time=server_time,
-        key=key,
-        identity_generation=_count_or(generation, current.identity_generation),
-    )
-
-
-def _count_or(value: object, default: int) -> int:
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    return default
-
-
 # --- renewOnce --------------------------------------------------------------------
 
 
@@ -223,234 +157,152 @@ async def renew_once(
     tpm_mode: TpmMode = "off",
     log: logging.Logger = _LOG,
 ) -> AnyState:
-    """Renew once (the seed's renewOnce); return the new state, stored on disk.
+    """Renew once (the seed's renewOnce); return the new state, stored.
 
-    Raises :class:`~bcd.errors.BcdError` when the renewal failed; the identity on
-    disk is then still ``state``'s (a stale node.key.next is removed by the next
-    load, or overwritten by the next attempt). ``fail_point`` (tests only) is called
-    with each name of :data:`FAIL_POINTS` once that storage step is on disk. A
-    TPM-held key renews through ``bcd helper`` (``tpm``, :func:`renew_once_tpm`).
+    Raises :class:`~bcd.errors.BcdError` when the renewal failed; the stored identity
+    is then still ``state``'s (a stale node.key.next is removed by the next load, or
+    overwritten by the next attempt). ``fail_point`` (tests only) is called with each
+    name of :data:`FAIL_POINTS` once that storage step is done.
 
-    A file key moves into the TPM here (seed 003, "Renewal" step 1) when ``bcd
-    helper`` serves the node (``tpm``) and ``tpm_mode`` (``[tpm] mode``) is ``auto``
-    or ``required``: the next key is made in the TPM through the helper, the CSR is
-    signed by it, the proof of possession still by the current file key (over the
-    file key's TLS), with no ``key_attestation`` (a file-key leaf names no AK); the
-    new state is a :class:`~bcd.identity.LoadedTpmState` (identity key ``tpm``).
-    When the helper cannot make or use that key (no TPM, not reachable, an answer
-    failing the node's checks), ``auto`` renews this once with a file key (logged as
-    a warning) and ``required`` fails the renewal before anything is sent. ``off``,
-    or no helper (``bcd node`` never opens the TPM itself), keeps a file key.
+    One path for every key (:class:`~bcd.keys.node.NodeKey`): the next key is made
+    (:func:`_maker`), node.key.next written, the CSR signed by the next key and the
+    proof of possession by the current one, the answer checked, the result stored. A
+    TPM-held key renews through ``bcd helper`` (``tpm``) into a new TPM key, with the
+    AK's ``key_attestation`` when the leaf names an AK; any helper failure fails the
+    renewal before anything is sent. A file key moves into the TPM here (seed 003,
+    "Renewal" step 1) when ``bcd helper`` serves the node and ``tpm_mode`` (``[tpm]
+    mode``) is ``auto`` or ``required``: the next key is made in the TPM, the proof
+    still by the file key, with no ``key_attestation`` (a file-key leaf names no AK);
+    the new state is a :class:`~bcd.identity.LoadedTpmState`. When the helper cannot
+    make or use that key, ``auto`` renews this once with a file key (logged as a
+    warning) and ``required`` fails the renewal before anything is sent. ``off``, or no
+    helper (``bcd node`` never opens the TPM itself), keeps a file key.
     """
-    if isinstance(state, LoadedTpmState):
-        if tpm is None:
-            raise IdentityError(TPM_NODE_UNSUPPORTED)
-        return await renew_once_tpm(
-            state, send, tpm, signing_pin=signing_pin, wall=wall, fail_point=fail_point
-        )
-    if tpm is not None and tpm_mode != "off":
-        try:
-            prepared = await _prepare_tpm(state, tpm, wall, fail_point)
-        except HelperError as exc:
-            if tpm_mode == "required":
-                raise JoinError(
-                    "the renewal failed before anything was sent: [tpm] mode = required, "
-                    f"but the TPM cannot be used through bcd helper ({exc})"
-                ) from exc
-            log.warning(
-                "renewal: the next node key is a file key, not in the TPM: %s",
-                exc,
-                extra={"tpmMode": tpm_mode},
-            )
-        else:
-            return await _finish_tpm(state, send, tpm, prepared, signing_pin, fail_point)
-    next_key = generate_file_key()
-    next_pem = key_to_pem(next_key)
-    await trio.to_thread.run_sync(write_next_key, state.data_dir, next_pem)
-    if fail_point is not None:
-        fail_point(FAIL_POINTS[0])
-    csr_der, req = build_request(state, next_key, int(wall() * 1000))
-    signed = await send(wire.dumps(req.to_json()))
-    body = verify_renewed(
-        signed,
-        signing_pin=signing_pin,
-        csr_der=csr_der,
-        key=next_key.public_key(),
-        current=state.leaf_info,
-    )
-    identity = renewed_identity(state, body)
+    current = node_key_of(state, tpm=tpm)  # a TPM-held key without bcd helper is refused
+    moving = current.kind == "file" and tpm is not None and tpm_mode != "off"
     try:
-        await trio.to_thread.run_sync(store_renewal, state.data_dir, identity, next_pem, fail_point)
-    except IdentityError:
-        # Part of the store may have happened: settle the directory the way a restart
-        # would, and go on with whatever it holds now.
-        settled = await trio.to_thread.run_sync(_reload, state.data_dir)
-        if settled is not None and settled.identity == identity:
-            return settled
-        raise
-    leaf = identity.leaf()
-    return LoadedState(
-        data_dir=state.data_dir,
-        identity=identity,
-        key=next_key,
-        leaf=leaf,
-        leaf_info=pki.leaf_info(leaf),
-    )
-
-
-AK_MISMATCH = "the TPM derives another AK than the certificate names"
-
-
-async def renew_once_tpm(
-    state: LoadedTpmState,
-    send: Sender,
-    tpm: HelperKeys,
-    *,
-    signing_pin: str,
-    wall: Callable[[], float],
-    fail_point: FailPoint | None = None,
-) -> LoadedTpmState:
-    """renewOnce for a TPM-held key, through ``bcd helper`` (seed 003, "Renewal" 1-5).
-
-    1. For a leaf naming an AK (``urn:bc:tpm-ak:``) the helper's AK must be that AK,
-       checked before anything is written or sent (no downgrade: the renewal fails,
-       and keeps failing); the next key is made in the TPM (a new record, derived
-       through the helper and pinned).
-    2. node.key.next (the record) is written first; the CSR is signed by the next
-       key, the proof of possession by the current key (both through the helper).
-    3. For a leaf naming an AK: ``key_attestation``, the AK's TPM2_Certify of the next
-       key over sha256(csr).
-    4. The answer is checked like a file key's; 5. stored in the same order.
-
-    Any helper failure (not running, no TPM, an answer failing the node's checks)
-    fails the renewal before the request is sent.
-    """
-    try:
-        return await _renew_tpm(state, send, tpm, signing_pin, wall, fail_point)
+        prepared = await _prepare(state, current, _maker(current, tpm, moving), wall, fail_point)
     except HelperError as exc:
-        raise JoinError(f"the renewal failed before anything was sent: {exc}") from exc
+        if not moving:
+            raise JoinError(f"the renewal failed before anything was sent: {exc}") from exc
+        if tpm_mode == "required":
+            raise JoinError(
+                "the renewal failed before anything was sent: [tpm] mode = required, "
+                f"but the TPM cannot be used through bcd helper ({exc})"
+            ) from exc
+        log.warning(
+            "renewal: the next node key is a file key, not in the TPM: %s",
+            exc,
+            extra={"tpmMode": tpm_mode},
+        )
+        prepared = await _prepare(state, current, FileKeyMaker(), wall, fail_point)
+    return await _finish(state, send, prepared, signing_pin, fail_point, tpm)
 
 
-async def _renew_tpm(
-    state: LoadedTpmState,
-    send: Sender,
-    tpm: HelperKeys,
-    signing_pin: str,
-    wall: Callable[[], float],
-    fail_point: FailPoint | None,
-) -> LoadedTpmState:
-    prepared = await _prepare_tpm(state, tpm, wall, fail_point)
-    return await _finish_tpm(state, send, tpm, prepared, signing_pin, fail_point)
+def _maker(current: NodeKey, tpm: HelperKeys | None, moving: bool) -> KeyMaker:
+    """Where the next key is made: in the TPM through the helper for a TPM-held key (it
+    stays one) and for a file key moving into the TPM; else a file key."""
+    if tpm is not None and (current.kind == "tpm" or moving):
+        return HelperKeyMaker(tpm)
+    return FileKeyMaker()
 
 
 @dataclass(frozen=True, slots=True)
-class _TpmRenewal:
-    """A renewal whose next key is in the TPM, ready to send (node.key.next written)."""
+class _Prepared:
+    """A renewal ready to send: node.key.next (``key``) written, the request built."""
 
     request: wire.RenewRequest
-    record: NodeKeyRecord
-    public_key: ec.EllipticCurvePublicKey
-    record_json: bytes
+    key: NodeKey
 
 
-async def _prepare_tpm(
+async def _prepare(
     state: AnyState,
-    tpm: HelperKeys,
+    current: NodeKey,
+    maker: KeyMaker,
     wall: Callable[[], float],
     fail_point: FailPoint | None,
-) -> _TpmRenewal:
-    """Steps 1-3 with the next key in the TPM; every helper call happens here, before
-    anything is sent (a HelperError leaves at most a stale node.key.next).
+) -> _Prepared:
+    """Steps 1-3: the next key, node.key.next, the CSR (by the next key), the proof of
+    possession (by the current key) and, for a leaf naming an AK, the key attestation.
 
-    The proof of possession is the current key's: through the helper for a TPM-held
-    key, the file key itself for a file-key node moving into the TPM.
+    Every helper call happens here, before anything is sent (a HelperError leaves at
+    most a stale node.key.next).
     """
-    named = ak_statements(state.leaf_info.statements)
-    ak = None
-    if named:
-        ak = await tpm.client.ak()
-        if ak_statement(ak.name) not in named:
-            raise JoinError(f"the renewal failed before anything was sent: {AK_MISMATCH}")
-    fresh = create_node_key_record()
-    next_public = await tpm.client.nodekey(fresh)
-    next_record = fresh.pinned(next_public.public_key)
-    next_json = next_record.to_json()
-    await trio.to_thread.run_sync(write_next_key, state.data_dir, next_json)
+    fresh = await maker.make(state.leaf_info.statements)
+    await trio.to_thread.run_sync(write_next_key, store_of(state), fresh.key.stored())
     if fail_point is not None:
         fail_point(FAIL_POINTS[0])
-    # the helper signs digests: the CSR's and the proof's SHA-256
-    csr_der = await trio.to_thread.run_sync(
-        pki.make_csr_with, next_public.public_key, tpm.signer(next_record)
-    )
+    csr_der = await fresh.key.csr()
     client_time_ms = int(wall() * 1000)
     message = pki.renew_pop_message(csr_der, state.identity.node_id, client_time_ms)
-    if isinstance(state, LoadedTpmState):
-        pop_sig = await tpm.sign(state.record, hashlib.sha256(message).digest())
-    else:
-        pop_sig = pki.sign_p1363(state.key, message)
-    attestation = None
-    if ak is not None:
-        certified = await tpm.client.certify(
-            next_record, next_public, hashlib.sha256(csr_der).digest(), ak
-        )
-        attestation = KeyAttestation(
-            ak.public_area, next_public.public_area, certified.attest, certified.signature
-        ).to_json()
-    req = wire.RenewRequest(
-        csr_der=csr_der,
-        chain=state.identity.chain,
-        client_time_ms=client_time_ms,
-        pop_sig=pop_sig,
-        key_attestation=attestation,
-    )
-    return _TpmRenewal(req, next_record, next_public.public_key, next_json)
+    pop_sig = await current.sign_digest(hashlib.sha256(message).digest())
+    attestation = await fresh.attest(csr_der) if fresh.attest is not None else None
+    request = wire.RenewRequest(csr_der, state.identity.chain, client_time_ms, pop_sig, attestation)
+    return _Prepared(request, fresh.key)
 
 
-async def _finish_tpm(
+async def _finish(
     state: AnyState,
     send: Sender,
-    tpm: HelperKeys,
-    prepared: _TpmRenewal,
+    prepared: _Prepared,
     signing_pin: str,
     fail_point: FailPoint | None,
-) -> LoadedTpmState:
-    """Steps 4-5 for a next key in the TPM: send, check the answer, store (key ``tpm``)."""
-    req = prepared.request
+    tpm: HelperKeys | None,
+) -> AnyState:
+    """Steps 4-5: send, check the answer, store (node.key.next, identity.json, rename)."""
+    req, key = prepared.request, prepared.key
     signed = await send(wire.dumps(req.to_json()))
     body = verify_renewed(
         signed,
         signing_pin=signing_pin,
         csr_der=req.csr_der,
-        key=prepared.public_key,
+        key=key.public_key,
         current=state.leaf_info,
     )
-    identity = renewed_identity(state, body, "tpm")
+    identity = issued_identity(body, key.kind, state.identity)
     try:
         await trio.to_thread.run_sync(
-            store_renewal, state.data_dir, identity, prepared.record_json, fail_point
+            store_renewal, store_of(state), identity, key.stored(), fail_point
         )
     except IdentityError:
-        settled = await trio.to_thread.run_sync(_reload, state.data_dir, tpm)
-        if isinstance(settled, LoadedTpmState) and settled.identity == identity:
+        # Part of the store may have happened: settle it the way a restart would, and
+        # go on with whatever it holds now.
+        settled = await trio.to_thread.run_sync(_reload, *_where(state, tpm))
+        if settled is not None and settled.identity == identity:
             return settled
         raise
-    leaf = identity.leaf()
-    return LoadedTpmState(
-        data_dir=state.data_dir,
-        identity=identity,
-        record=prepared.record,
-        public_key=prepared.public_key,
-        leaf=leaf,
-        leaf_info=pki.leaf_info(leaf),
+    return state_with(state.data_dir, identity, key, state.store)
+
+
+def build_request(
+    state: LoadedState, next_key: ec.EllipticCurvePrivateKey, client_time_ms: int
+) -> tuple[bytes, wire.RenewRequest]:
+    """The CSR for a file key ``next_key`` and the RenewRequest proving ``state``'s file
+    key, as :func:`renew_once` builds them (for a caller without trio: tests, tools)."""
+    csr_der = pki.make_csr(next_key)
+    message = pki.renew_pop_message(csr_der, state.identity.node_id, client_time_ms)
+    return csr_der, wire.RenewRequest(
+        csr_der=csr_der,
+        chain=state.identity.chain,
+        client_time_ms=client_time_ms,
+        pop_sig=pki.sign_p1363(state.key, message),
     )
 
 
-def _reload(data_dir: Path, tpm: HelperKeys | None = None) -> AnyState | None:
+def _where(state: AnyState, tpm: HelperKeys | None) -> tuple[Any, ...]:
+    """:func:`_reload`'s arguments for ``state``: its store (data directory), and the
+    helper when there is one."""
+    where: StoreOrDir = state.data_dir if state.store is None else state.store
+    return (where,) if tpm is None else (where, tpm)
+
+
+def _reload(where: StoreOrDir, tpm: HelperKeys | None = None) -> AnyState | None:
     """LoadState from a worker thread (a TPM key derived through the helper)."""
+    store = as_store(where)
     try:
         if tpm is None:
-            return load_state(data_dir)
-        return load_state(data_dir, tpm.derive_sync)
+            return load_from(store)
+        return load_from(store, tpm.derive_sync)
     except BcdError:
         return None
 
@@ -469,26 +321,7 @@ def renew_answer(resp: Response) -> str:
     """
     if resp.status == 200:
         return resp.body.decode("ascii", "replace")
-    err = wire.parse_error(resp.body)
-    if err is None:
-        raise RetryableError(f"the gateway answered HTTP {resp.status}")
-    if err.code == "UNAUTHENTICATED":
-        raise GatewayUnauthenticated(REVOKED, _notice_in(resp.body))
-    if err.code in wire.RETRYABLE:
-        wait = wire.parse_pushback(resp.headers.get("retry-pushback-ms"))
-        raise RetryableError(f"{err.code}: {err.message}", wait)
-    if err.code == "ACCESS_DENIED":
-        raise JoinError(REFUSED)
-    raise JoinError(f"the renewal failed: {err.code}: {err.message}")
-
-
-def _notice_in(body: bytes) -> object:
-    """The signed RevocationNotice an UNAUTHENTICATED answer carries, if any."""
-    try:
-        obj = wire.loads_object(body, 64 * 1024)
-    except wire.WireError:
-        return None
-    return obj.get("notice")
+    raise refusal(resp, failed="the renewal failed", refused=REFUSED, unauthenticated=REVOKED)
 
 
 def gateway_renew_sender(cfg: Config, state: AnyState, tpm: HelperKeys | None = None) -> Sender:
@@ -508,38 +341,30 @@ def gateway_renew_sender(cfg: Config, state: AnyState, tpm: HelperKeys | None = 
 # --- the old key ------------------------------------------------------------------
 
 
-HeldKey = ec.EllipticCurvePrivateKey | NodeKeyRecord
-"""A replaced node key: a file key, or the TPM record it is derived from."""
-
-
-def held_key(state: AnyState) -> HeldKey:
-    return state.record if isinstance(state, LoadedTpmState) else state.key
-
-
 class OldKeys:
     """Node keys a renewal replaced, each held ``hold_s`` seconds (trio clock), then dropped.
 
     Nothing may still be signing with a key when it goes: a handshake or statement
     started just before the renewal finishes with the old key in that time.
-    ``on_unload`` is called with each key as it goes (a TPM key flushes its handle).
+    ``on_unload`` is called with each key as it goes.
     """
 
     def __init__(
         self,
         hold_s: float = OLD_KEY_HOLD_S,
-        on_unload: Callable[[HeldKey], None] | None = None,
+        on_unload: Callable[[NodeKey], None] | None = None,
     ) -> None:
         self.hold_s = hold_s
         self._on_unload = on_unload
-        self._held: list[tuple[float, HeldKey]] = []
+        self._held: list[tuple[float, NodeKey]] = []
 
     def __len__(self) -> int:
         return len(self._held)
 
-    def keys(self) -> tuple[HeldKey, ...]:
+    def keys(self) -> tuple[NodeKey, ...]:
         return tuple(key for _, key in self._held)
 
-    def retire(self, key: HeldKey, now: float) -> None:
+    def retire(self, key: NodeKey, now: float) -> None:
         """Hold ``key`` until ``now + hold_s`` (trio time)."""
         self._held.append((now + self.hold_s, key))
 
@@ -547,7 +372,7 @@ class OldKeys:
         """The trio time at which the next key goes, if one is held."""
         return min((due for due, _ in self._held), default=None)
 
-    def unload_due(self, now: float) -> list[HeldKey]:
+    def unload_due(self, now: float) -> list[NodeKey]:
         """Drop every key whose time has come; return them."""
         going = [key for due, key in self._held if due <= now]
         self._held = [(due, key) for due, key in self._held if due > now]
@@ -557,19 +382,16 @@ class OldKeys:
         return going
 
 
-async def _pause(
-    seconds: float, old_keys: OldKeys, log: logging.Logger, tpm: HelperKeys | None = None
-) -> None:
-    """Sleep ``seconds`` of trio time, waking to unload old keys when they are due; a
-    TPM-held one is released in ``bcd helper`` (``tpm.release``), as the seed says."""
+async def _pause(seconds: float, old_keys: OldKeys, log: logging.Logger) -> None:
+    """Sleep ``seconds`` of trio time, waking to unload old keys when they are due; each
+    is released (a TPM-held one in ``bcd helper``, as the seed says)."""
     end = trio.current_time() + max(seconds, 0.0)
     while True:
         going = old_keys.unload_due(trio.current_time())
         if going:
             log.info("the previous node key was unloaded")
         for key in going:
-            if isinstance(key, NodeKeyRecord) and tpm is not None:
-                await _release(tpm, key, log)
+            await _release(key, log)
         due = old_keys.next_due()
         wake = end if due is None else min(end, due)
         if trio.current_time() >= end:
@@ -578,14 +400,14 @@ async def _pause(
         await trio.sleep_until(wake)
 
 
-async def _release(tpm: HelperKeys, record: NodeKeyRecord, log: logging.Logger) -> None:
-    tpm.forget(record)
+async def _release(key: NodeKey, log: logging.Logger) -> None:
     try:
-        await tpm.client.release(record)
+        released = await key.release()
     except HelperError as exc:  # the helper holds nothing between calls: only logged
         log.warning("bcd helper did not release the previous node key: %s", exc)
     else:
-        log.info("the previous node key was released in bcd helper")
+        if released:
+            log.info("the previous node key was released in bcd helper")
 
 
 # --- the task ---------------------------------------------------------------------
@@ -635,7 +457,7 @@ async def renewal_task(
             info = state.leaf_info
             remaining = renew_at(info.not_before, info.not_after, fraction).timestamp() - wall()
             if remaining > _DUE_SLACK_S:
-                await _pause(min(remaining, MAX_NAP_S), keys, log, tpm)
+                await _pause(min(remaining, MAX_NAP_S), keys, log)
                 continue
         attempt += 1
         try:
@@ -661,21 +483,21 @@ async def renewal_task(
                 raise verdict from exc
             wait = _failed(state, verdict, attempt, wall, log)
             log.info("renewal: next attempt in %.1f s", wait, extra={"waitSeconds": wait})
-            await _pause(wait, keys, log, tpm)
+            await _pause(wait, keys, log)
             continue
         except BcdError as exc:
             wait = _failed(state, exc, attempt, wall, log)
             if isinstance(exc, IdentityError) and await _adopt_disk_state(
                 state, set_state, log, tpm
             ):
-                keys.retire(held_key(state), trio.current_time())
+                keys.retire(node_key_of(state, tpm=tpm), trio.current_time())
                 attempt = 0
                 continue
             log.info("renewal: next attempt in %.1f s", wait, extra={"waitSeconds": wait})
-            await _pause(wait, keys, log, tpm)
+            await _pause(wait, keys, log)
             continue
         set_state(new)
-        keys.retire(held_key(state), trio.current_time())
+        keys.retire(node_key_of(state, tpm=tpm), trio.current_time())
         attempt = 0
         log.info(
             "renewed: certificate %s valid until %s",
@@ -715,16 +537,16 @@ async def _adopt_disk_state(
     log: logging.Logger,
     tpm: HelperKeys | None = None,
 ) -> bool:
-    """After a storage failure, go on with what the data directory holds (settled).
+    """After a storage failure, go on with what the store holds (settled).
 
     Only a newer certificate of this same node is adopted; anything else on disk is
     left for the next start to judge.
     """
-    on_disk = await trio.to_thread.run_sync(_reload, state.data_dir, tpm)
+    on_disk = await trio.to_thread.run_sync(_reload, *_where(state, tpm))
     if (
         on_disk is not None
         # a file key may have moved into the TPM; a TPM key never goes back to a file
-        and not (isinstance(state, LoadedTpmState) and isinstance(on_disk, LoadedState))
+        and not (state.identity.key == "tpm" and on_disk.identity.key == "file")
         and on_disk.identity != state.identity
         and on_disk.identity.spiffe_id == state.identity.spiffe_id
         and on_disk.identity.role == state.identity.role

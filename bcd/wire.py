@@ -4,6 +4,13 @@ Every parser here is a pure function that takes outside bytes or JSON values and
 returns a frozen value or raises :class:`WireError` (never anything else), so the
 control plane can map any failure to one uniform refusal and the property tests can
 feed them anything.
+
+This module is the face both sides import. It holds the requests (JoinRequest,
+RenewRequest, Hello), the sealed token, the session messages and the error answers;
+:mod:`bcd.wirejson` holds :class:`WireError` and the JSON readers, and
+:mod:`bcd.signed` the SignedResponses and the typed bodies the node reads from them
+(:class:`~bcd.signed.Issued`, :class:`~bcd.signed.Challenge`,
+:class:`~bcd.signed.Pending`), both re-exported here.
 """
 
 from __future__ import annotations
@@ -14,110 +21,52 @@ import hashlib
 import hmac
 import json
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from cryptography import x509
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from jwcrypto import jwe, jwk
 from jwcrypto.common import JWException
 
 from bcd import pki
+from bcd.signed import MAX_SIGNED_RESPONSE as MAX_SIGNED_RESPONSE
+from bcd.signed import MAX_X5C_CERT_DER as MAX_X5C_CERT_DER
+from bcd.signed import MAX_X5C_CERTS as MAX_X5C_CERTS
+from bcd.signed import NOTICE_KIND as NOTICE_KIND
+from bcd.signed import RESPONSE_KINDS as RESPONSE_KINDS
+from bcd.signed import Challenge as Challenge
+from bcd.signed import Issued as Issued
+from bcd.signed import MalformedChallenge as MalformedChallenge
+from bcd.signed import Pending as Pending
+from bcd.signed import RevocationNotice as RevocationNotice
+from bcd.signed import SignedBody as SignedBody
+from bcd.signed import parse_challenge as parse_challenge
+from bcd.signed import parse_issued as parse_issued
+from bcd.signed import parse_pending as parse_pending
+from bcd.signed import parse_signed_body as parse_signed_body
+from bcd.signed import public_key_of_x5c as public_key_of_x5c
+from bcd.signed import revocation_notice_body as revocation_notice_body
+from bcd.signed import sign_response as sign_response
+from bcd.signed import signing_key_of_header as signing_key_of_header
+from bcd.signed import verify_response as verify_response
+from bcd.signed import verify_revocation_notice as verify_revocation_notice
+from bcd.wirejson import MAX_BODY as MAX_BODY
+from bcd.wirejson import WireError as WireError
+from bcd.wirejson import b64_field as b64_field
+from bcd.wirejson import dumps as dumps
+from bcd.wirejson import is_int as is_int
+from bcd.wirejson import loads_object as loads_object
+from bcd.wirejson import printable as printable
+from bcd.wirejson import public_jwk_of as public_jwk_of
+from bcd.wirejson import public_key_of_jwk as public_key_of_jwk
+from bcd.wirejson import str_field, str_list_field
 
 PROTOCOL_VERSION = 1
-MAX_BODY = 64 * 1024
-MAX_SIGNED_RESPONSE = 256 * 1024
-"""The largest SignedResponse the node verifies (a header with a full ``x5c`` fits)."""
-MAX_X5C_CERTS = 4
-MAX_X5C_CERT_DER = 8 * 1024
 MAX_PUSHBACK_MS = 300_000
 """The longest ``retry-pushback-ms`` the node waits out (5 minutes); longer is capped."""
 SEAL_TYP = "bcjt+jwe"
 SEAL_MAX_SKEW_S = 300
 TOKEN_RE = re.compile(r"^bcjt_(jt_[0-9a-z]{26})\.([A-Za-z0-9_-]{43})$")
-_MAX_CLAIM = 256
-_MAX_LIST = 64
-
-
-class WireError(ValueError):
-    """Raised when a message does not parse; the text never contains the input."""
-
-
-# --- JSON helpers -----------------------------------------------------------------
-
-
-def dumps(obj: object) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), sort_keys=True).encode("utf-8")
-
-
-def loads_object(data: bytes, limit: int = MAX_BODY) -> dict[str, Any]:
-    """Parse a JSON object of at most ``limit`` bytes."""
-    if len(data) > limit:
-        raise WireError("body too large")
-    try:
-        obj = json.loads(data.decode("utf-8"), object_pairs_hook=_pairs)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise WireError("body is not JSON") from exc
-    if not isinstance(obj, dict):
-        raise WireError("body is not a JSON object")
-    return obj
-
-
-_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    """An object whose names and string values are all Unicode text: JSON's ``\\ud800``
-    escapes make lone surrogates, which no store and no UTF-8 writer can take."""
-    for name, value in pairs:
-        if _SURROGATE.search(name) or _has_surrogate(value):
-            raise ValueError("a string holds a lone surrogate")
-    return dict(pairs)
-
-
-def _has_surrogate(value: object) -> bool:
-    """Inner objects were checked when they were made; strings and lists are here."""
-    if isinstance(value, str):
-        return _SURROGATE.search(value) is not None
-    if isinstance(value, list):
-        return any(_has_surrogate(v) for v in value)
-    return False
-
-
-def _str(
-    obj: dict[str, Any], key: str, *, max_len: int = _MAX_CLAIM, optional: bool = False
-) -> str:
-    value = obj.get(key)
-    if value is None and optional:
-        return ""
-    if not isinstance(value, str) or len(value) > max_len:
-        raise WireError(f"{key} must be a string")
-    return value
-
-
-def b64_field(obj: dict[str, Any], key: str, limit: int = 8192) -> bytes:
-    """The bytes of a standard-base64 string field of at most ``limit`` characters."""
-    value = obj.get(key)
-    if not isinstance(value, str) or len(value) > limit:
-        raise WireError(f"{key} must be a base64 string")
-    try:
-        return base64.b64decode(value, validate=True)
-    except (binascii.Error, ValueError) as exc:
-        raise WireError(f"{key} must be a base64 string") from exc
-
-
-def _str_list(obj: dict[str, Any], key: str) -> tuple[str, ...]:
-    value = obj.get(key, [])
-    if value is None:
-        return ()
-    if not isinstance(value, list) or len(value) > _MAX_LIST:
-        raise WireError(f"{key} must be a list of strings")
-    if not all(isinstance(v, str) and len(v) <= _MAX_CLAIM for v in value):
-        raise WireError(f"{key} must be a list of strings")
-    return tuple(value)
 
 
 # --- join tokens ------------------------------------------------------------------
@@ -198,14 +147,14 @@ class Claims:
         if unknown:
             raise WireError("claims has unknown fields")
         return cls(
-            product_uuid=_str(obj, "product_uuid", optional=True),
-            product_serial=_str(obj, "product_serial", optional=True),
-            board_serial=_str(obj, "board_serial", optional=True),
-            chassis_serial=_str(obj, "chassis_serial", optional=True),
-            macs=_str_list(obj, "macs"),
-            gpu_uuids=_str_list(obj, "gpu_uuids"),
-            hostname=_str(obj, "hostname", optional=True),
-            boot_id=_str(obj, "boot_id", optional=True),
+            product_uuid=str_field(obj, "product_uuid", optional=True),
+            product_serial=str_field(obj, "product_serial", optional=True),
+            board_serial=str_field(obj, "board_serial", optional=True),
+            chassis_serial=str_field(obj, "chassis_serial", optional=True),
+            macs=str_list_field(obj, "macs"),
+            gpu_uuids=str_list_field(obj, "gpu_uuids"),
+            hostname=str_field(obj, "hostname", optional=True),
+            boot_id=str_field(obj, "boot_id", optional=True),
         )
 
 
@@ -243,14 +192,14 @@ def parse_join_request(obj: dict[str, Any]) -> JoinRequest:
     protocol = obj.get("protocol")
     if type(protocol) is not int or protocol != PROTOCOL_VERSION:
         raise WireError("unsupported protocol")
-    role = _str(obj, "role", max_len=32)
+    role = str_field(obj, "role", max_len=32)
     if role not in ("node", "site", "ramdisk"):
         raise WireError("role must be node, site or ramdisk")
-    attestor = _str(obj, "attestor", max_len=64, optional=True)
+    attestor = str_field(obj, "attestor", max_len=64, optional=True)
     sealed = obj.get("sealed_token")
     if sealed is not None and (not isinstance(sealed, str) or len(sealed) > 8192):
         raise WireError("sealed_token must be a string")
-    csr_b64 = _str(obj, "csr", max_len=8192)
+    csr_b64 = str_field(obj, "csr", max_len=8192)
     try:
         csr_der = base64.b64decode(csr_b64, validate=True)
     except (binascii.Error, ValueError) as exc:
@@ -279,7 +228,7 @@ def parse_join_request(obj: dict[str, Any]) -> JoinRequest:
         claims=Claims.from_json(obj.get("claims")),
         evidence=evidence,
         node_id=node_id,
-        daemon_version=_str(obj, "daemon_version", max_len=64, optional=True),
+        daemon_version=str_field(obj, "daemon_version", max_len=64, optional=True),
         round=rnd,
         answer=answer,
     )
@@ -309,17 +258,17 @@ class RenewRequest:
 
 
 def parse_renew_request(obj: dict[str, Any]) -> RenewRequest:
-    csr_b64 = _str(obj, "csr", max_len=8192)
+    csr_b64 = str_field(obj, "csr", max_len=8192)
     try:
         csr_der = base64.b64decode(csr_b64, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise WireError("csr must be base64") from exc
-    chain = _str(obj, "chain", max_len=32768)
+    chain = str_field(obj, "chain", max_len=32768)
     client_time = obj.get("client_time")
     if not isinstance(client_time, int) or isinstance(client_time, bool) or client_time < 0:
         raise WireError("client_time must be unix milliseconds")
     try:
-        pop_sig = pki.b64url_decode(_str(obj, "pop_sig", max_len=128))
+        pop_sig = pki.b64url_decode(str_field(obj, "pop_sig", max_len=128))
     except pki.PkiError as exc:
         raise WireError("pop_sig must be base64url") from exc
     attestation = obj.get("key_attestation")
@@ -348,11 +297,74 @@ class Hello:
 
 def parse_hello(obj: dict[str, Any]) -> Hello:
     return Hello(
-        node_id=_str(obj, "node_id", max_len=64),
-        journal_id=_str(obj, "journal_id", max_len=64),
-        boot_id=_str(obj, "boot_id", max_len=64, optional=True),
-        daemon_version=_str(obj, "daemon_version", max_len=64, optional=True),
+        node_id=str_field(obj, "node_id", max_len=64),
+        journal_id=str_field(obj, "journal_id", max_len=64),
+        boot_id=str_field(obj, "boot_id", max_len=64, optional=True),
+        daemon_version=str_field(obj, "daemon_version", max_len=64, optional=True),
     )
+
+
+MAX_SESSION_LINE = 128 * 1024
+"""The longest session line parsed (the transport cuts lines well before this)."""
+MAX_SESSION_TEXT = 200
+
+
+@dataclass(frozen=True, slots=True)
+class Welcome:
+    """``{"type": "welcome", "session_id"}``: the session is open."""
+
+    session_id: str
+    """Printable ASCII of at most 200 characters, ``""`` when the gateway named none."""
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    """``{"type": "ping"}``: the gateway is there (every 15 s)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RevocationLine:
+    """``{"type": "revocation", "reason", "notice"}``: the gateway says the certificate is
+    revoked. Only ``notice`` (a signed RevocationNotice, checked by
+    :func:`bcd.revocation.revoked_by`) can prove it; ``reason`` is the gateway's word,
+    for the log only (printable, at most 200 characters, ``""`` when absent)."""
+
+    notice: str | None
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class OtherLine:
+    """A JSON object of another or no ``type``: skipped (a newer gateway may send more)."""
+
+
+SessionMessage = Welcome | Ping | RevocationLine | OtherLine
+
+
+def _session_text(obj: dict[str, Any], key: str) -> str:
+    value = obj.get(key)
+    if not isinstance(value, str):
+        return ""
+    return value[:MAX_SESSION_TEXT].encode("unicode_escape").decode("ascii")
+
+
+def parse_session_line(line: bytes) -> SessionMessage:
+    """One line of the gateway's session stream; WireError when it is not a JSON object.
+
+    Texts come back escaped to printable ASCII (a newline cannot forge a log line).
+    """
+    obj = loads_object(line, MAX_SESSION_LINE)
+    kind = obj.get("type")
+    if kind == "welcome":
+        return Welcome(_session_text(obj, "session_id"))
+    if kind == "ping":
+        return Ping()
+    if kind == "revocation":
+        notice = obj.get("notice")
+        return RevocationLine(
+            notice if isinstance(notice, str) else None, _session_text(obj, "reason")
+        )
+    return OtherLine()
 
 
 # --- the sealed token (compact JWE) -----------------------------------------------
@@ -363,30 +375,6 @@ class OpenedSeal:
     token: JoinToken
     iat: int
     csr_sha256: str
-
-
-def public_jwk_of(key: ec.EllipticCurvePublicKey) -> dict[str, str]:
-    nums = key.public_numbers()
-    return {
-        "kty": "EC",
-        "crv": "P-256",
-        "x": pki.b64url(nums.x.to_bytes(32, "big")),
-        "y": pki.b64url(nums.y.to_bytes(32, "big")),
-    }
-
-
-def public_key_of_jwk(obj: object) -> ec.EllipticCurvePublicKey:
-    """Parse a public P-256 JWK (no private part accepted)."""
-    if not isinstance(obj, dict) or obj.get("kty") != "EC" or obj.get("crv") != "P-256":
-        raise WireError("not a P-256 public JWK")
-    if "d" in obj:
-        raise WireError("the JWK holds a private key")
-    try:
-        x = int.from_bytes(pki.b64url_decode(obj["x"]), "big")
-        y = int.from_bytes(pki.b64url_decode(obj["y"]), "big")
-        return ec.EllipticCurvePublicNumbers(x, y, ec.SECP256R1()).public_key()
-    except (KeyError, ValueError, TypeError) as exc:
-        raise WireError("not a P-256 public JWK") from exc
 
 
 def seal_token(
@@ -470,122 +458,6 @@ def _sealed_token(plaintext: bytes) -> JoinToken:
     return JoinToken(m.group(1), m.group(2))
 
 
-# --- signed responses (compact JWS, ES256) ----------------------------------------
-
-RESPONSE_KINDS = ("joined", "challenge", "pending", "renewed")
-
-
-def sign_response(
-    body: dict[str, Any],
-    key: ec.EllipticCurvePrivateKey,
-    *,
-    x5c: Sequence[x509.Certificate] = (),
-    include_jwk: bool = True,
-) -> str:
-    """A compact JWS over ``body``; the header carries the public key and its pin.
-
-    The key rides as ``jwk`` and, when ``x5c`` is given (the signing certificate
-    first), as that certificate chain too; ``include_jwk=False`` leaves ``jwk`` out.
-    """
-    public = key.public_key()
-    header: dict[str, Any] = {"alg": "ES256", "kid": pki.spki_pin(public)}
-    if include_jwk:
-        header["jwk"] = public_jwk_of(public)
-    if x5c:
-        header["x5c"] = [
-            base64.b64encode(cert.public_bytes(serialization.Encoding.DER)).decode("ascii")
-            for cert in x5c
-        ]
-    signing_input = pki.b64url(dumps(header)) + "." + pki.b64url(dumps(body))
-    return signing_input + "." + pki.b64url(pki.sign_p1363(key, signing_input.encode("ascii")))
-
-
-_X5C_B64_MAX = (MAX_X5C_CERT_DER + 2) // 3 * 4
-
-
-def public_key_of_x5c(value: object) -> ec.EllipticCurvePublicKey:
-    """The P-256 key of the first certificate of a JWS ``x5c`` (base64 DER, leaf first).
-
-    At most :data:`MAX_X5C_CERTS` certificates of at most :data:`MAX_X5C_CERT_DER`
-    bytes each, every one of which must parse. Only the leaf's key is used: the node
-    trusts it by its pin alone, so the rest of the chain is not verified.
-    """
-    if not isinstance(value, list) or not 1 <= len(value) <= MAX_X5C_CERTS:
-        raise WireError(f"x5c must be a list of 1 to {MAX_X5C_CERTS} certificates")
-    certs: list[x509.Certificate] = []
-    too_big = f"x5c holds a certificate over {MAX_X5C_CERT_DER} bytes"
-    for item in value:
-        if not isinstance(item, str):
-            raise WireError("x5c holds something that is not base64")
-        if len(item) > _X5C_B64_MAX:
-            raise WireError(too_big)
-        try:
-            der = base64.b64decode(item, validate=True)
-        except (binascii.Error, ValueError) as exc:
-            raise WireError("x5c holds something that is not base64") from exc
-        if len(der) > MAX_X5C_CERT_DER:
-            raise WireError(too_big)
-        try:
-            certs.append(x509.load_der_x509_certificate(der))
-        except ValueError as exc:
-            raise WireError("x5c holds something that is not a DER certificate") from exc
-    try:
-        key = certs[0].public_key()
-    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # unsupported or malformed
-        raise WireError("the x5c certificate's key is not a P-256 key") from exc
-    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
-        raise WireError("the x5c certificate's key is not a P-256 key")
-    return key
-
-
-def signing_key_of_header(header: dict[str, Any]) -> ec.EllipticCurvePublicKey:
-    """The key a SignedResponse's protected header names: ``jwk``, ``x5c`` or both.
-
-    With both, they must be the same key.
-    """
-    has_jwk, has_x5c = "jwk" in header, "x5c" in header
-    if not has_jwk and not has_x5c:
-        raise WireError("the response header carries no signing key (jwk or x5c)")
-    from_jwk = public_key_of_jwk(header["jwk"]) if has_jwk else None
-    from_x5c = public_key_of_x5c(header["x5c"]) if has_x5c else None
-    if from_jwk is None:
-        assert from_x5c is not None
-        return from_x5c
-    if from_x5c is not None and pki.spki_der(from_jwk) != pki.spki_der(from_x5c):
-        raise WireError("the response header's jwk and x5c name different keys")
-    return from_jwk
-
-
-def verify_response(
-    jws: str, signing_key_pin: str, kinds: Sequence[str] = RESPONSE_KINDS
-) -> dict[str, Any]:
-    """Verify a SignedResponse under the pinned join-signing key; return its body.
-
-    The key comes from the protected header's ``jwk`` or ``x5c``
-    (:func:`signing_key_of_header`) and is trusted only when its SPKI pin is
-    ``signing_key_pin``.
-    """
-    if not isinstance(jws, str) or jws.count(".") != 2 or len(jws) > MAX_SIGNED_RESPONSE:
-        raise WireError("the response is not a compact JWS")
-    h64, b64, s64 = jws.split(".")
-    try:
-        header = json.loads(pki.b64url_decode(h64))
-        if not isinstance(header, dict) or header.get("alg") != "ES256":
-            raise WireError("the response is not ES256")
-        key = signing_key_of_header(header)
-        if not pki.pins_equal(pki.spki_pin(key), signing_key_pin):
-            raise WireError("the response is not signed by the pinned join-signing key")
-        pki.verify_p1363(key, pki.b64url_decode(s64), f"{h64}.{b64}".encode("ascii"))
-        body = json.loads(pki.b64url_decode(b64))
-    except (ValueError, pki.PkiError, RecursionError) as exc:
-        if isinstance(exc, WireError):
-            raise
-        raise WireError("the response signature does not verify") from exc
-    if not isinstance(body, dict) or body.get("kind") not in kinds:
-        raise WireError("the response has no known kind")
-    return body
-
-
 # --- errors -----------------------------------------------------------------------
 
 STATUS = {
@@ -640,56 +512,3 @@ def parse_pushback(value: str | None) -> float | None:
     if _PUSHBACK.fullmatch(text) is None:
         return None
     return min(int(text), MAX_PUSHBACK_MS) / 1000
-
-
-# --- the signed RevocationNotice --------------------------------------------------
-
-NOTICE_KIND = "revocation"
-MAX_NOTICE_REASON = 200
-
-
-def revocation_notice_body(
-    node_id: str, serial: str, reason: str, revoked_at_ms: int
-) -> dict[str, Any]:
-    """What JoinService signs when it revokes a certificate (a SignedResponse body)."""
-    return {
-        "kind": NOTICE_KIND,
-        "node_id": node_id,
-        "serial": serial,
-        "reason": reason[:MAX_NOTICE_REASON],
-        "revoked_at": revoked_at_ms,
-    }
-
-
-@dataclass(frozen=True, slots=True)
-class RevocationNotice:
-    node_id: str
-    serial: str
-    reason: str
-    revoked_at_ms: int
-
-
-def verify_revocation_notice(
-    jws: object, signing_key_pin: str, node_id: str, serials: Sequence[str]
-) -> RevocationNotice:
-    """A notice that this node's certificate (one of ``serials``) was revoked, signed
-    under the pinned join-signing key; WireError otherwise. The reason comes back
-    with control characters replaced, so it can reach a log line as it is."""
-    if not isinstance(jws, str):
-        raise WireError("the revocation notice is missing")
-    body = verify_response(jws, signing_key_pin, (NOTICE_KIND,))
-    if body.get("kind") != NOTICE_KIND:
-        raise WireError("not a revocation notice")
-    serial, at, reason = body.get("serial"), body.get("revoked_at"), body.get("reason")
-    if body.get("node_id") != node_id:
-        raise WireError("the revocation notice names another node")
-    if not isinstance(serial, str) or serial.lower() not in {s.lower() for s in serials}:
-        raise WireError("the revocation notice names another certificate")
-    if not isinstance(at, int) or isinstance(at, bool) or not isinstance(reason, str):
-        raise WireError("the revocation notice is malformed")
-    return RevocationNotice(node_id, serial, printable(reason)[:MAX_NOTICE_REASON], at)
-
-
-def printable(text: str) -> str:
-    """``text`` with every control or non-ASCII character replaced by ``?``."""
-    return "".join(c if " " <= c <= "~" else "?" for c in text)
