@@ -58,14 +58,17 @@ test: lint typecheck pytest
 
 # The bcd artifact for this machine's architecture, in dist/bcd/<version>/linux-<arch>
 # (docs/installing.md); serve it with better-compute serve --downloads dist.
+# WITH="DIST ..." bundles further distributions (wheels or project directories), e.g.
+# make artifact WITH=tests/plugins/example_attestor
 artifact: $(STAMP)
-	$(BIN)/python packaging/build_artifact.py --out dist
+	$(BIN)/python packaging/build_artifact.py --out dist $(foreach d,$(WITH),--with $(d))
 
 bench: $(STAMP)
 	$(BIN)/python bench/join.py
 	$(BIN)/python bench/renew.py
 	$(BIN)/python bench/tpm.py
 	$(BIN)/python bench/replicas.py
+	$(BIN)/python bench/cli_start.py
 
 # HTTP-level property-based fuzzing of a real serve (fuzz/http_fuzz.py; not part of
 # make test): 100,000 inputs per path family by default, --per-family N for less.

@@ -14,72 +14,25 @@ before anything runs, naming the option only.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import os
-import pwd
 import sys
-import urllib.parse
-from collections.abc import Callable, Sequence
-from dataclasses import replace
-from datetime import UTC, datetime
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, BinaryIO, NoReturn
 
-import trio
-from cryptography.hazmat.primitives.asymmetric import ec
+from bcd import __version__
+from bcd.errors import BcdError, ConfigError, UsageError, describe_os_error, os_error_in
 
-from bcd import __version__, doctor, fs, pki, systemd, wire
-from bcd.config import (
-    Config,
-    join_encryption_jwk_path,
-    load_config,
-    parse_config,
-    render_config,
-    trusted_owners,
-)
-from bcd.credential import (
-    Credential,
-    looks_like_token,
-    may_be_secret,
-    read_stdin,
-    read_stdin_if_any,
-    read_token_file,
-    remove_credential_files,
-    shown,
-    stdin_holds_data,
-)
-from bcd.errors import (
-    BcdError,
-    ConfigError,
-    CredentialError,
-    JoinError,
-    UsageError,
-    describe_os_error,
-    os_error_in,
-)
-from bcd.hardware import read_claims
-from bcd.httpclient import fetch_url
-from bcd.identity import (
-    apply_reset,
-    check_data_dir,
-    hand_over,
-    load_state,
-    persist_join,
-    persist_rejoin,
-    reset_plan,
-    write_join_record,
-)
-from bcd.keys.file import generate_file_key, key_to_pem
-from bcd.plugins import JOIN_TOKEN, load_plugins
-from bcd.tpm.record import NodeKeyRecord
-
+# What a command needs is imported by that command (trio, cryptography, jwcrypto,
+# pluggy, the TPM, and even logging, typing and dataclasses), so bcd version and bcd
+# --help start in a few tens of ms (bench/cli_start.py). typing is left out too:
+# with postponed annotations it is needed only by the type checker.
+TYPE_CHECKING = False
 if TYPE_CHECKING:
-    from bcd.join import HeldKey
+    from datetime import datetime
+    from typing import Any, BinaryIO, NoReturn
 
 DEFAULT_CONFIG = Path("/etc/bcd/config.toml")
-WELL_KNOWN = "/.well-known/better-compute"
-BASE_PATH = "/api/compute"
+JOIN_TOKEN = "join-token"  # noqa: S105 - bcd.attestor_api.JOIN_TOKEN, a name, not a secret
 
 
 class _ParseProblem(Exception):
@@ -118,6 +71,8 @@ def _help_hint(command: str) -> str:
 def _unknown_arguments(command: str, extra: Sequence[str]) -> str:
     """The message for what argparse did not recognise: the first unknown option by
     name (never its value), else the positional arguments, never echoed."""
+    from bcd.credential import may_be_secret, shown
+
     for item in extra:
         if item == "--" or not item.startswith("-") or item == "-":
             continue
@@ -137,9 +92,12 @@ def _refuse_secret_values(args: argparse.Namespace) -> None:
     The three pins are high-entropy public values: for them only a bearer prefix
     (``bcjt_``, ``bcak_``) counts; their own check never echoes them.
     """
-    for dest, value in sorted(vars(args).items()):
-        if dest == "command" or not isinstance(value, str):
-            continue
+    given = [(d, v) for d, v in sorted(vars(args).items()) if d != "command" and isinstance(v, str)]
+    if not given:
+        return
+    from bcd.credential import looks_like_token, may_be_secret
+
+    for dest, value in given:
         risky = looks_like_token(value) if dest in PIN_DESTS else may_be_secret(value)
         if risky:
             flag = "--" + dest.replace("_", "-")
@@ -155,6 +113,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
     try:
         args, extra = build_parser().parse_known_args(list(argv))
     except argparse.ArgumentError as exc:
+        from bcd.credential import may_be_secret
+
         name = exc.argument_name or "an argument"
         if may_be_secret(exc.message) or not exc.message.isprintable():
             raise UsageError(
@@ -162,6 +122,8 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
             ) from None
         raise UsageError(f"argument {name}: {exc.message}; {_help_hint(command)}") from None
     except _ParseProblem as exc:
+        from bcd.credential import may_be_secret
+
         message = str(exc)
         if may_be_secret(message) or not message.isprintable():
             message = f"invalid arguments ({NOT_ECHOED})"
@@ -173,415 +135,52 @@ def parse_args(argv: Sequence[str]) -> argparse.Namespace:
 
 
 def _now() -> datetime:
+    from datetime import UTC, datetime
+
     return datetime.now(UTC)
 
 
 # --- join ------------------------------------------------------------------------------
 
 
-def _encryption_key_from_file(cfg: Config) -> ec.EllipticCurvePublicKey | None:
-    path = join_encryption_jwk_path(cfg)
-    rotated = (
-        f"{path} does not match join_encryption_key_pin (was the join key rotated?); "
-        "generate the install script again and rerun it, which rewrites the file and the pins"
-    )
-    try:
-        raw = fs.read_regular_file(path, 4096)
-    except FileNotFoundError:
-        return None
-    except fs.NotRegularFile as exc:
-        raise JoinError(
-            f"{path} is {exc.kind}, not a regular file (nothing was read); "
-            "generate the install script again and rerun it, which rewrites the file"
-        ) from exc
-    except fs.FileTooLarge as exc:
-        raise JoinError(rotated) from exc
-    except OSError as exc:
-        raise JoinError(f"cannot read {path}: {exc.strerror}") from exc
-    try:
-        key = wire.public_key_of_jwk(wire.loads_object(raw, 4096))
-    except wire.WireError as exc:
-        raise JoinError(rotated) from exc
-    if not pki.pins_equal(pki.spki_pin(key), cfg.join_encryption_key_pin):
-        raise JoinError(rotated)
-    return key
-
-
-def _well_known_url(server: str) -> str:
-    parsed = urllib.parse.urlsplit(server)
-    if parsed.scheme not in ("https", "http") or not parsed.hostname:
-        raise UsageError("--server must be the control plane's https:// (or http://) URL")
-    base = server.rstrip("/")
-    if not parsed.path.rstrip("/").endswith(BASE_PATH):
-        base += BASE_PATH
-    return base + WELL_KNOWN
-
-
-async def fetch_well_known(server: str) -> dict[str, Any]:
-    resp = await fetch_url(_well_known_url(server))
-    if resp.status != 200:
-        raise JoinError(f"{server} has no well-known document (HTTP {resp.status})")
-    try:
-        return wire.loads_object(resp.body)
-    except wire.WireError as exc:
-        raise JoinError(f"the well-known document of {server} is not JSON") from exc
-
-
-def _key_from_document(doc: dict[str, Any], pin: str, server: str) -> ec.EllipticCurvePublicKey:
-    join = doc.get("join")
-    if not isinstance(join, dict):
-        raise JoinError(f"{server} publishes no join section (is pki.join configured?)")
-    try:
-        key = wire.public_key_of_jwk(join.get("encryptionJwk"))
-    except wire.WireError as exc:
-        raise JoinError(f"the join encryption key published by {server} does not parse") from exc
-    if not pki.pins_equal(pki.spki_pin(key), pin):
-        raise JoinError(
-            f"the join encryption key published by {server} does not match "
-            "join_encryption_key_pin; the document is not trusted"
-        )
-    return key
-
-
-def _bootstrap_config(args: argparse.Namespace, doc: dict[str, Any]) -> Config:
-    """A config built from the well-known document's gateway section and the pin flags."""
-    pins = {
-        "serving_ca_spki_pin": args.serving_ca_pin,
-        "join_signing_key_pin": args.join_signing_pin,
-        "join_encryption_key_pin": args.join_encryption_pin,
-    }
-    missing = [
-        flag
-        for flag, value in zip(
-            ("--serving-ca-pin", "--join-signing-pin", "--join-encryption-pin"),
-            pins.values(),
-            strict=True,
-        )
-        if not value
-    ]
-    if missing:
-        raise UsageError(
-            f"without {args.config} a join with --server needs the pins from the install: "
-            + ", ".join(missing)
-        )
-    for name, value in pins.items():
-        try:
-            pki.parse_pin(value)
-        except pki.PkiError as exc:
-            flag = {
-                "serving_ca_spki_pin": "--serving-ca-pin",
-                "join_signing_key_pin": "--join-signing-pin",
-                "join_encryption_key_pin": "--join-encryption-pin",
-            }[name]
-            raise UsageError(f"{flag}: {exc}") from exc
-    gateway = doc.get("gateway")
-    if not isinstance(gateway, dict) or not isinstance(gateway.get("url"), str):
-        raise JoinError(f"{args.server} publishes no gateway section; write {args.config} instead")
-    published = {
-        "serving_ca_spki_pin": gateway.get("servingCaPin"),
-        "join_signing_key_pin": (doc.get("join") or {}).get("signingKeyPin"),
-        "join_encryption_key_pin": (doc.get("join") or {}).get("encryptionKeyPin"),
-    }
-    for name, value in pins.items():
-        seen = published[name]
-        if not isinstance(seen, str) or not pki.pins_equal(seen, value):
-            raise JoinError(
-                f"the well-known document of {args.server} has another {name} than the one "
-                "given; refusing it"
-            )
-    site_placeholder = "site_" + "0" * 26
-    lines = [
-        f"gateway_url = {json.dumps(gateway['url'])}",
-        f"site = {json.dumps(site_placeholder)}",
-        *(f"{k} = {json.dumps(v)}" for k, v in pins.items()),
-    ]
-    if isinstance(gateway.get("serverName"), str):
-        lines.append(f"server_name = {json.dumps(gateway['serverName'])}")
-    if args.data_dir:
-        lines.append(f"data_dir = {json.dumps(str(Path(args.data_dir).absolute()))}")
-    return parse_config("\n".join(lines) + "\n", Path(args.config))
-
-
 def _stdin() -> BinaryIO | None:
     return sys.stdin.buffer if sys.stdin is not None else None
 
 
-def _check_credential_sources(args: argparse.Namespace) -> None:
-    """A usage error (exit 2) for two credential sources, never a silent choice.
-
-    ``--token-file`` with an attestor that reads no token; a token on standard input
-    as well as ``--token-file``; a token on standard input for an attestor that reads
-    none. Standard input is only looked at when it is not a terminal, and never waited
-    on (:func:`bcd.credential.stdin_holds_data`).
-    """
-    attestor = shown(args.attestor)
-    if args.token_file and args.attestor != JOIN_TOKEN:
-        raise UsageError(
-            f"--token-file gives a join token, and --attestor {attestor} reads none; "
-            "drop --token-file, or join with a token (the default attestor)"
-        )
-    if args.token_file or args.attestor != JOIN_TOKEN:
-        stdin = _stdin()
-        if stdin is not None and stdin_holds_data(stdin):
-            if args.token_file:
-                raise UsageError(
-                    "a join credential came both on standard input and with --token-file; "
-                    "give it one way only (neither was used)"
-                )
-            raise UsageError(
-                f"--attestor {attestor} reads no join token, but standard input holds "
-                "something; give none (it was not used)"
-            )
+def _say(line: str) -> None:
+    print(line, flush=True)
 
 
-def _read_credential(args: argparse.Namespace, *, optional: bool = False) -> Credential | None:
-    """The join credential, checked to be a join token before anything else is done.
-
-    None for an attestor that reads none and, with ``optional``, when standard input
-    (without ``--token-file``) is a terminal or empty.
-    """
-    if args.attestor != JOIN_TOKEN:
-        return None
-    if args.token_file:
-        credential = read_token_file(Path(args.token_file))
-    else:
-        stdin = _stdin()
-        if optional:
-            found = read_stdin_if_any(stdin) if stdin is not None else None
-            if found is None:
-                return None
-            credential = found
-        elif stdin is None:
-            raise CredentialError(
-                "bcd join reads the join token from standard input or --token-file, and "
-                "standard input is closed; pipe it in: bcd join < join-token"
-            )
-        else:
-            credential = read_stdin(stdin)
-    try:
-        wire.parse_token(credential.text)
-    except wire.WireError:
-        raise CredentialError("the join credential is not a join token (bcjt_…)") from None
-    return credential
-
-
-def _print_moved(src: Path, dst: Path) -> None:
-    print(f"moved {src} -> {dst}")
-
-
-TPM_ATTESTOR = "tpm"
-
-
-def _derive_in_tpm(cfg: Config) -> Callable[[NodeKeyRecord], ec.EllipticCurvePublicKey]:
-    """LoadState's ``derive`` for a TPM-held node key: bcd join (root) opens the TPM."""
-
-    def derive(record: NodeKeyRecord) -> ec.EllipticCurvePublicKey:
-        from bcd.tpm.device import open_tpm
-        from bcd.tpm.nodekey import derive_node_key
-
-        with open_tpm(cfg.tpm.tcti) as tpm:
-            return derive_node_key(tpm, record)
-
-    return derive
-
-
-def _tpm_node_key(cfg: Config) -> HeldKey:
-    """A new node key in the TPM: its record (pinned to the key), public half and CSR."""
-    from bcd.join import HeldKey
-    from bcd.tpm.device import open_tpm
-    from bcd.tpm.nodekey import create_node_key_record, derive_node_key, sign
-
-    with open_tpm(cfg.tpm.tcti) as tpm:
-        record = create_node_key_record()
-        record = record.pinned(derive_node_key(tpm, record))
-        public_key = derive_node_key(tpm, record)
-        csr_der = pki.make_csr_with(public_key, lambda digest: sign(tpm, record, digest))
-    return HeldKey(public_key, csr_der, record.to_dict())
-
-
-def _node_key(cfg: Config, attestor: str) -> tuple[ec.EllipticCurvePrivateKey | HeldKey, bytes]:
-    """Join step 1: the node key and what node.key will hold.
-
-    A tpm join makes it in the TPM. Otherwise ``[tpm] mode`` decides: ``off`` a file
-    key; ``required`` a key in the TPM at ``[tpm] tcti``, or a JoinError before
-    anything is sent; ``auto`` a key in the TPM when one is usable there AND
-    ``[helper]`` is configured, else a file key. ``bcd node`` uses a TPM-held key only
-    through ``bcd helper`` (it never opens the TPM), so without ``[helper]`` a TPM key
-    would make a node that cannot run: ``auto`` then keeps a file key.
-    """
-    if attestor == TPM_ATTESTOR:
-        held = _tpm_node_key(cfg)
-        return held, NodeKeyRecord.from_dict(held.record).to_json()
-    mode, tcti = cfg.tpm.mode, cfg.tpm.tcti
-    if mode == "required" or (mode == "auto" and cfg.helper is not None):
-        from bcd.tpm import TpmError
-        from bcd.tpm.device import missing_device
-
-        why = missing_device(tcti)
-        if why is None:
-            try:
-                held = _tpm_node_key(cfg)
-            except TpmError as exc:
-                why = str(exc)
-            else:
-                return held, NodeKeyRecord.from_dict(held.record).to_json()
-        if mode == "required":
-            raise JoinError(
-                f"[tpm] mode = required, but the TPM cannot be used ({why}); nothing was sent. "
-                f"Make the TPM at {tcti} usable, or set [tpm] mode = auto or off in {cfg.path}"
-            )
-    key = generate_file_key()
-    return key, key_to_pem(key)
-
-
-def _helper_owner(cfg: Config) -> tuple[int, int] | None:
-    """Under ``[helper]``, the uid and gid identity.json and node.key are handed to.
-
-    Looked up before anything is sent: a missing user fails the join with nothing done.
-    """
-    if cfg.helper is None:
-        return None
-    try:
-        user = pwd.getpwnam(cfg.helper.user)
-    except KeyError as exc:
-        raise JoinError(
-            f"no user named {cfg.helper.user!r} ([helper] user in {cfg.path}) to hand the "
-            "identity over to; create it or fix the configuration, then join again"
-        ) from exc
-    return user.pw_uid, user.pw_gid
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr)
 
 
 def cmd_join(args: argparse.Namespace) -> int:
-    _check_credential_sources(args)
-    if os.geteuid() != 0:
-        raise BcdError("bcd join must run as root (it writes the node's identity)")
-    plugins = load_plugins()
-    for failure in plugins.failures:
-        print(
-            f"warning: attestor plugin {failure.name} did not load: {failure.error}",
-            file=sys.stderr,
-        )
-    if args.attestor not in plugins.names():
-        raise JoinError(f"no attestor plugin named {shown(repr(args.attestor))} is loaded")
-    config_path = Path(args.config)
-    bootstrap_doc: dict[str, Any] | None = None
-    if not config_path.exists() and args.server:
-        bootstrap_doc = trio.run(fetch_well_known, args.server)
-        cfg = _bootstrap_config(args, bootstrap_doc)
-    else:
-        cfg = load_config(config_path)
-        if args.data_dir:
-            cfg = replace(cfg, data_dir=Path(args.data_dir).absolute())
-    data_dir = cfg.data_dir
-    owners = trusted_owners(cfg)
-    check_data_dir(data_dir, owners)  # a directory others can write is never used
-    if args.attestor == TPM_ATTESTOR and cfg.tpm.mode == "off":
-        raise JoinError("--attestor tpm needs the TPM, but the configuration says [tpm] mode = off")
+    """Plan the join the flags ask for (:func:`bcd.joinplan.plan_join`), then run it."""
+    import trio
 
-    from bcd import rejoin as x509pop
+    from bcd.joinplan import Finished, JoinOptions, Report, finish, plan_join, run_plan
 
-    rejoin = None
-    if args.attestor == x509pop.X509POP:  # re-join the identity held here
-        rejoin = x509pop.prepare(
-            cfg, _derive_in_tpm(cfg), reset=args.reset, node_id=args.node_id, now=_now()
-        )
-    plan: list[tuple[Path, Path]] = []
-    credential: Credential | None = None
-    if args.reset:  # never with x509pop: prepare() refused that combination
-        plan = reset_plan(data_dir, _now())
-        if not args.yes:
-            for src, dst in plan:
-                print(f"would move {src} -> {dst}")
-            if not plan:
-                print(f"nothing to move in {data_dir}")
-            print("nothing was moved; run again with --reset --yes to move the identity aside")
-            return 2
-        credential = _read_credential(args, optional=True)
-        if credential is None and args.attestor == JOIN_TOKEN:
-            # The first step of "bcd join --reset --yes, then bcd join": no credential,
-            # so only the move aside, and the way on.
-            apply_reset(plan, _print_moved)
-            if not plan:
-                print(f"nothing to move in {data_dir}")
-            print(
-                "no join credential was given, so nothing was joined; join now as root: "
-                "bcd join < join-token (or --token-file PATH, or --attestor tpm)"
-            )
-            return 0
-    elif rejoin is None:
-        state = load_state(data_dir, _derive_in_tpm(cfg), owners=owners)
-        if state is not None:
-            ident = state.identity
-            if args.node_id and args.node_id != ident.node_id:
-                raise JoinError(
-                    f"this machine is already joined as {ident.node_id}; --node-id names another "
-                    "node (to join again: bcd join --reset --yes, then bcd join)"
-                )
-            print(f"already joined as {ident.node_id} (site {ident.site_id}, role {ident.role})")
-            return 0
-    if credential is None:
-        credential = _read_credential(args)  # read and checked before any key is made
-
-    owner = _helper_owner(cfg)
-    key, key_bytes = _node_key(cfg, args.attestor)
-    encryption_key = None
-    if args.attestor == JOIN_TOKEN:
-        encryption_key = _encryption_key_from_file(cfg) if bootstrap_doc is None else None
-        if encryption_key is None:
-            if not args.server:
-                raise JoinError(
-                    f"{join_encryption_jwk_path(cfg)} is missing; give the control plane's URL "
-                    "with --server to fetch the join key from its well-known document"
-                )
-            doc = bootstrap_doc or trio.run(fetch_well_known, args.server)
-            encryption_key = _key_from_document(doc, cfg.join_encryption_key_pin, args.server)
-    elif bootstrap_doc is not None:
-        # No token to seal, but the bootstrap writes join-encryption.jwk beside the new
-        # config.toml (a later token join needs it): checked against its pin before
-        # anything is sent, like the rest of the document.
-        encryption_key = _key_from_document(bootstrap_doc, cfg.join_encryption_key_pin, args.server)
-    from bcd.join import join
-
-    joined = trio.run(
-        lambda: join(
-            cfg,
-            plugins,
-            attestor=args.attestor,
-            role=args.role if rejoin is None else rejoin.role,
-            credential=credential.text if credential else None,
-            encryption_key=encryption_key,
-            claims=read_claims(Path(args.sysfs_root)),
-            key=key,
-            node_id=args.node_id,
-            identity_chain_der=rejoin.chain_der if rejoin else (),
-            identity_signer=rejoin.signer if rejoin else None,
-        )
+    opts = JoinOptions(
+        config=Path(args.config),
+        attestor=args.attestor,
+        role=args.role,
+        node_id=args.node_id,
+        reset=args.reset,
+        yes=args.yes,
+        server=args.server,
+        serving_ca_pin=args.serving_ca_pin,
+        join_signing_pin=args.join_signing_pin,
+        join_encryption_pin=args.join_encryption_pin,
+        data_dir=Path(args.data_dir) if args.data_dir else None,
+        sysfs_root=Path(args.sysfs_root),
+        token_file=Path(args.token_file) if args.token_file else None,
     )
-    ident = joined.identity
-    if cfg.helper is not None:
-        # Join step 5, root's record, before the identity: a failed record fails the
-        # join and leaves no identity (and, after --reset --yes, the old one in place).
-        write_join_record(cfg.helper.hostconfig_dir, joined.signed)
-    # The old identity moves aside only once the new one is in hand: a refused or
-    # failed join after --reset --yes leaves the machine as it was.
-    if rejoin is not None:  # crash safe: the old identity loads until the new one is whole
-        persist_rejoin(data_dir, ident, key_bytes)
-    else:
-        apply_reset(plan, _print_moved)  # each move printed once it is done
-        persist_join(data_dir, ident, key_bytes, _now())
-    if owner is not None:
-        hand_over(data_dir, *owner)  # join step 7: lchown, never through a swapped-in link
-    if bootstrap_doc is not None:
-        cfg = replace(cfg, site=ident.site_id)
-        fs.ensure_dir(config_path.parent, 0o755)
-        fs.atomic_write(config_path, render_config(cfg).encode(), 0o644)
-        assert encryption_key is not None
-        fs.atomic_write(
-            join_encryption_jwk_path(cfg), wire.dumps(wire.public_jwk_of(encryption_key)), 0o644
-        )
-    if credential is not None:
-        for warning in remove_credential_files(credential):
-            print(warning, file=sys.stderr)
+    report = Report(say=_say, warn=_warn)
+    plan = plan_join(opts, _stdin(), report)
+    if isinstance(plan, Finished):
+        return finish(plan, report)
+    ident = trio.run(run_plan, plan, report).identity
     print(
         f"joined as {ident.node_id} (site {ident.site_id}, role {ident.role}); "
         f"certificate valid until {ident.not_after}"
@@ -593,21 +192,19 @@ def cmd_join(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    config_path = Path(args.config)
-    checks = doctor.run_checks(config_path, _now())
-    try:
-        cfg = load_config(config_path)
-    except ConfigError:
-        checks.append(doctor.Check("tpm", "fail", doctor.NO_CONFIG_FOR_TPM))
-    else:
-        checks.append(doctor.tpm_check(cfg))
-    plugins = load_plugins()
-    checks.append(doctor.plugins_check(plugins))
+    from bcd import doctor
+
+    checks = doctor.all_checks(Path(args.config), _now())
     print(doctor.render_json(checks) if args.json else doctor.render_text(checks).rstrip("\n"))
     return doctor.exit_code(checks)
 
 
 def cmd_node(args: argparse.Namespace) -> int:
+    import logging
+
+    import trio
+
+    from bcd.config import load_config
     from bcd.errors import CertificateRevoked, IdentityError
     from bcd.node import (
         EXIT_INTERNAL,
@@ -645,12 +242,17 @@ def cmd_node(args: argparse.Namespace) -> int:
 
 
 def cmd_helper(args: argparse.Namespace) -> int:
+    from bcd.config import load_config
     from bcd.helper.server import run_helper
 
-    return run_helper(load_config(Path(args.config)))
+    return run_helper(load_config(Path(args.config)), _warn)
 
 
 def cmd_vouch(args: argparse.Namespace) -> int:
+    import trio
+
+    from bcd.config import load_config
+    from bcd.credential import shown
     from bcd.hardware import normalize_mac
     from bcd.vouch import vouch
 
@@ -744,13 +346,18 @@ INTERNAL_ERROR_EXIT = 70  # EX_SOFTWARE, as bcd node's
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    systemd.configure_logging(sys.stderr, logging.WARNING)
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         args = parse_args(argv)
     except UsageError as exc:
         print(f"bcd: usage: {exc}", file=sys.stderr)
         return exc.exit_code
+    if args.command != "version":  # which logs nothing, and so starts without logging
+        import logging
+
+        from bcd import systemd
+
+        systemd.configure_logging(sys.stderr, logging.WARNING)
     try:
         code: int = args.fn(args)
     except BcdError as exc:

@@ -19,12 +19,20 @@
     mode = "auto"                                  # auto | off | required
     tcti = "device:/dev/tpmrm0"
 
+    [attestors.serial-allowlist]                   # optional; an attestor plugin's own table,
+    serial_field = "board_serial"                  # whose keys and values that plugin checks
+
 Every problem is a :class:`~bcd.errors.ConfigError` whose message names the file and
 the key: a missing file, bad TOML, an unknown key, a missing key, a wrong type, a
 malformed pin (a malformed pin stops bcd from starting), a gateway URL that is not
-``https://host[:port]``. Parsing is pure (:func:`parse_config`); only
-:func:`load_config` reads the file, and only a regular file of at most 64 KiB, judged
-before a byte is read (a FIFO or ``/dev/zero`` is refused, never waited on or read).
+``https://host[:port]``. One function builds a Config from a table,
+:func:`config_from_table` (pure): :func:`parse_config` is ``tomllib`` and it, the
+``--server`` bootstrap and the install script's renderer build a table and call it.
+Only :func:`load_config` reads the file, and only a regular file of at most 64 KiB,
+judged before a byte is read (a FIFO or ``/dev/zero`` is refused, never waited on or
+read). The file is written by **tomli-w** (:func:`render_config` of
+:func:`config_table`), never by hand or by ``json.dumps`` (whose ``\ud83d\ude00``
+for a character beyond the BMP ``tomllib`` refuses).
 
 ``gateway_url`` is kept without a trailing ``/``. The join-encryption key the install
 script writes lives beside the file (:func:`join_encryption_jwk_path`).
@@ -34,15 +42,19 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import pwd
 import re
 import stat
 import tomllib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
+
+import tomli_w
 
 from bcd import fs, pki
 from bcd.errors import ConfigError
@@ -61,7 +73,7 @@ TpmMode = Literal["auto", "off", "required"]
 TPM_MODES: tuple[TpmMode, ...] = ("auto", "off", "required")
 PIN_KEYS = ("serving_ca_spki_pin", "join_signing_key_pin", "join_encryption_key_pin")
 REQUIRED_KEYS = ("gateway_url", "site", *PIN_KEYS)
-TOP_LEVEL_KEYS = (*REQUIRED_KEYS, "server_name", "data_dir", "helper", "tpm")
+TOP_LEVEL_KEYS = (*REQUIRED_KEYS, "server_name", "data_dir", "helper", "tpm", "attestors")
 HELPER_KEYS = ("user", "socket", "hostconfig_dir")
 TPM_KEYS = ("mode", "tcti")
 
@@ -103,13 +115,21 @@ class Config:
     data_dir: Path = DEFAULT_DATA_DIR
     helper: HelperConfig | None = None
     tpm: TpmConfig = field(default_factory=TpmConfig)
+    attestor_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
+    """``[attestors.<name>]``: each attestor plugin's own table, checked by that plugin
+    (``bcd_node_check_settings``) and lent to it as ``NodeJoinContext.settings``."""
 
 
 # --- reading ----------------------------------------------------------------------
 
 
-def load_config(path: Path) -> Config:
-    """Read and validate the configuration at ``path``."""
+def load_config(path: Path, *, check_attestors: bool = False) -> Config:
+    """Read and validate the configuration at ``path``.
+
+    ``check_attestors`` has each attestor plugin judge its ``[attestors.<name>]``
+    table (``bcd join`` and ``bcd doctor``): that loads every plugin, so the long-running
+    agents (``bcd helper``, ``bcd node``) and ``bcd vouch`` check only the table's shape.
+    """
     try:
         data = fs.read_regular_file(path, MAX_CONFIG_BYTES)
     except FileNotFoundError as exc:
@@ -133,7 +153,7 @@ def load_config(path: Path) -> Config:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise ConfigError(f"{path}: not valid TOML: not UTF-8") from exc
-    return parse_config(text, path)
+    return parse_config(text, path, check_attestors=check_attestors)
 
 
 def _check_writers(path: Path) -> None:
@@ -155,12 +175,18 @@ def _check_writers(path: Path) -> None:
         )
 
 
-def parse_config(text: str, path: Path) -> Config:
+def parse_config(text: str, path: Path, *, check_attestors: bool = False) -> Config:
     """Validate config.toml text; ``path`` names the file in messages and in the result."""
     try:
         doc = tomllib.loads(text)
     except (tomllib.TOMLDecodeError, RecursionError, ValueError, TypeError) as exc:
         raise ConfigError(f"{path}: not valid TOML: {exc}") from exc
+    return config_from_table(doc, path, check_attestors=check_attestors)
+
+
+def config_from_table(doc: dict[str, Any], path: Path, *, check_attestors: bool = False) -> Config:
+    """The one way to a :class:`Config`: validate a table (parsed TOML, or one a caller
+    built, such as the ``--server`` bootstrap's); ``path`` names the file in messages."""
     _check_keys(doc, TOP_LEVEL_KEYS, path, "")
     for key in REQUIRED_KEYS:
         if key not in doc:
@@ -225,7 +251,28 @@ def parse_config(text: str, path: Path) -> Config:
         data_dir=data_dir,
         helper=helper,
         tpm=tpm,
+        attestor_settings=_attestor_settings(doc, path, check_attestors),
     )
+
+
+def _attestor_settings(doc: dict[str, Any], path: Path, check: bool) -> dict[str, dict[str, Any]]:
+    """``[attestors]``: a table per attestor. With ``check`` each is judged by its plugin
+    (bcd.plugins, imported only then); otherwise only the shape is checked, importing
+    nothing, so a plugin that fails to import cannot stop an agent that does not use it."""
+    if "attestors" not in doc:
+        return {}
+    tables = _table(doc, "attestors", path)
+    if check:
+        from bcd.plugins import node_settings_problem
+
+        problem = node_settings_problem(tables)
+        if problem is not None:
+            raise ConfigError(f"{path}: {problem}")
+    for name, table in tables.items():
+        if not isinstance(table, dict):
+            shown = json.dumps(str(name)[:64], ensure_ascii=True)[1:-1]
+            raise ConfigError(f'{path}: "attestors.{shown}" must be a table ([attestors.{shown}])')
+    return {name: dict(table) for name, table in tables.items()}
 
 
 def _check_keys(table: dict[str, Any], allowed: tuple[str, ...], path: Path, prefix: str) -> None:
@@ -250,6 +297,8 @@ def _string(table: dict[str, Any], key: str, path: Path, name: str | None = None
         raise ConfigError(f'{path}: "{name}" must be a string')
     if not value:
         raise ConfigError(f'{path}: "{name}" must not be empty')
+    if any(0xD800 <= ord(c) <= 0xDFFF for c in value):  # a built table: no TOML has these
+        raise ConfigError(f'{path}: "{name}" is not valid UTF-8')
     return value
 
 
@@ -350,52 +399,36 @@ def trusted_owners(cfg: Config) -> frozenset[int]:
 # --- writing ----------------------------------------------------------------------
 
 
-def render_config(cfg: Config) -> str:
-    """TOML text for ``cfg`` that :func:`parse_config` reads back to an equal Config.
+def config_table(cfg: Config) -> dict[str, Any]:
+    """The table :func:`config_from_table` reads back to ``cfg``.
 
-    Values equal to their defaults are left out, so the file stays short.
+    Values equal to their defaults are left out, so the file stays short; a present
+    ``[helper]`` is written whole.
     """
     host, _ = gateway_host_port(cfg)
-    lines = [
-        "# bcd configuration (PROTOCOL.md, config.toml)",
-        f"gateway_url = {_toml_string(cfg.gateway_url)}",
-        f"site = {_toml_string(cfg.site)}",
-        f"serving_ca_spki_pin = {_toml_string(cfg.serving_ca_spki_pin)}",
-        f"join_signing_key_pin = {_toml_string(cfg.join_signing_key_pin)}",
-        f"join_encryption_key_pin = {_toml_string(cfg.join_encryption_key_pin)}",
-    ]
+    table: dict[str, Any] = {
+        "gateway_url": cfg.gateway_url,
+        "site": cfg.site,
+        **{key: getattr(cfg, key) for key in PIN_KEYS},
+    }
     if cfg.server_name != host:
-        lines.append(f"server_name = {_toml_string(cfg.server_name)}")
+        table["server_name"] = cfg.server_name
     if cfg.data_dir != DEFAULT_DATA_DIR:
-        lines.append(f"data_dir = {_toml_string(str(cfg.data_dir))}")
+        table["data_dir"] = str(cfg.data_dir)
     if cfg.helper is not None:
-        lines += [
-            "",
-            "[helper]",
-            f"user = {_toml_string(cfg.helper.user)}",
-            f"socket = {_toml_string(str(cfg.helper.socket))}",
-            f"hostconfig_dir = {_toml_string(str(cfg.helper.hostconfig_dir))}",
-        ]
+        table["helper"] = {
+            "user": cfg.helper.user,
+            "socket": str(cfg.helper.socket),
+            "hostconfig_dir": str(cfg.helper.hostconfig_dir),
+        }
     if cfg.tpm != TpmConfig():
-        lines += [
-            "",
-            "[tpm]",
-            f"mode = {_toml_string(cfg.tpm.mode)}",
-            f"tcti = {_toml_string(cfg.tpm.tcti)}",
-        ]
-    return "\n".join(lines) + "\n"
+        table["tpm"] = {"mode": cfg.tpm.mode, "tcti": cfg.tpm.tcti}
+    if cfg.attestor_settings:
+        table["attestors"] = {name: dict(t) for name, t in cfg.attestor_settings.items()}
+    return table
 
 
-def _toml_string(value: str) -> str:
-    """A TOML basic string: quotes, backslashes and control characters escaped."""
-    out = []
-    for c in value:
-        if c == '"':
-            out.append('\\"')
-        elif c == "\\":
-            out.append("\\\\")
-        elif ord(c) < 0x20 or ord(c) == 0x7F:
-            out.append(f"\\u{ord(c):04x}")
-        else:
-            out.append(c)
-    return '"' + "".join(out) + '"'
+def render_config(cfg: Config) -> str:
+    """TOML text for ``cfg`` (written by tomli-w) that :func:`parse_config` reads back to
+    an equal Config."""
+    return "# bcd configuration (PROTOCOL.md, config.toml)\n" + tomli_w.dumps(config_table(cfg))

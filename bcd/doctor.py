@@ -15,6 +15,15 @@ Checks, in order:
     Only after an expiry of at most 7 days (and not for a certificate naming a TPM
     AK): warn with the other way back, ``bcd join --attestor x509pop`` as root, when
     the control plane has x509pop configured (doctor cannot tell whether it has).
+``servingca``
+    ``serving-ca.pem`` beside config.toml (``bcd doctor`` adds it with
+    :func:`serving_ca_check`), loaded as the agent loads it
+    (:func:`bcd.servingca.read_anchor`). ok: the file carries serving_ca_spki_pin;
+    warn: there is none (bcd fetches it from the gateway on its next run, checked
+    against the pin; install-bcd.sh writes it); fail: it does not load (not a regular
+    file or a symlink, unreadable, not the one certificate carrying the pin, owned by
+    another user, or writable by group or others), with the way back (run install-bcd.sh again, or remove it and bcd
+    fetches it again).
 ``tpm``
     The TPM the node keys live in (``bcd doctor`` adds it with :func:`tpm_check`).
     ``[tpm] mode = off``: ok, the TPM is not used. Under ``[helper]``: fail while the
@@ -59,6 +68,7 @@ import trio
 from bcd.config import Config, load_config, trusted_owners
 from bcd.errors import BcdError, ConfigError
 from bcd.identity import NOT_JOINED, AnyState, load_state
+from bcd.servingca import read_anchor, serving_ca_path
 
 if TYPE_CHECKING:
     from bcd.plugins import Plugins
@@ -67,6 +77,11 @@ Status = Literal["ok", "warn", "fail"]
 STATUSES: tuple[Status, ...] = ("ok", "warn", "fail")
 NO_CONFIG_FOR_IDENTITY = "cannot check the identity without a configuration"
 NO_CONFIG_FOR_TPM = "cannot check the TPM without a configuration"
+NO_CONFIG_FOR_SERVING_CA = "cannot check serving-ca.pem without a configuration"
+SERVING_CA_WAY_BACK = (
+    "run install-bcd.sh again, or remove the file and bcd fetches it from the gateway, "
+    "checked against the pin"
+)
 EXPIRED_WAY_BACK = "join again as root: bcd join --reset --yes, then bcd join"
 
 
@@ -80,7 +95,7 @@ class Check:
 def run_checks(config_path: Path, now: datetime) -> list[Check]:
     """Run every check against the configuration at ``config_path`` at time ``now``."""
     try:
-        cfg = load_config(config_path)
+        cfg = load_config(config_path, check_attestors=True)
     except ConfigError as exc:
         return [
             Check("config", "fail", str(exc)),
@@ -304,6 +319,25 @@ def _tpm_direct(cfg: Config) -> Check:
     return Check("tpm", "ok", f"TPM present at {cfg.tpm.tcti}; EK certificate ({kind}) readable")
 
 
+def serving_ca_check(cfg: Config) -> Check:
+    """``serving-ca.pem`` as the agent loads it; see the module's ``servingca`` entry."""
+    path = serving_ca_path(cfg)
+    try:
+        anchor = read_anchor(path, cfg.serving_ca_spki_pin)
+    except ConfigError as exc:
+        if isinstance(exc.__cause__, ValueError):  # the content: the message has the way back
+            return Check("servingca", "fail", str(exc))
+        return Check("servingca", "fail", f"{exc}; {SERVING_CA_WAY_BACK}")
+    if anchor is None:
+        return Check(
+            "servingca",
+            "warn",
+            f"no {path}: bcd fetches it from the gateway on its next run (checked against "
+            "serving_ca_spki_pin); install-bcd.sh writes it",
+        )
+    return Check("servingca", "ok", f"{path} carries serving_ca_spki_pin")
+
+
 def plugins_check(plugins: Plugins) -> Check:
     """warn for each attestor plugin that did not load; ok with the attestors' names."""
     if plugins.failures:
@@ -311,6 +345,24 @@ def plugins_check(plugins: Plugins) -> Check:
         return Check("plugins", "warn", f"attestor plugins: {failed}")
     names = plugins.names()
     return Check("plugins", "ok", "attestors: " + (", ".join(names) if names else "none"))
+
+
+def all_checks(config_path: Path, now: datetime) -> list[Check]:
+    """What ``bcd doctor`` shows: :func:`run_checks`, then serving-ca.pem, the TPM and
+    the plugins."""
+    from bcd.plugins import load_plugins
+
+    checks = run_checks(config_path, now)
+    try:
+        cfg = load_config(config_path, check_attestors=True)
+    except ConfigError:
+        checks.append(Check("servingca", "fail", NO_CONFIG_FOR_SERVING_CA))
+        checks.append(Check("tpm", "fail", NO_CONFIG_FOR_TPM))
+    else:
+        checks.append(serving_ca_check(cfg))
+        checks.append(tpm_check(cfg))
+    checks.append(plugins_check(load_plugins()))
+    return checks
 
 
 def exit_code(checks: list[Check]) -> int:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import json
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -15,6 +17,8 @@ from bcd.config import (
     Config,
     HelperConfig,
     TpmConfig,
+    config_from_table,
+    config_table,
     gateway_host_port,
     join_encryption_jwk_path,
     load_config,
@@ -300,6 +304,95 @@ def test_render_round_trip_property(
     if any(0xD800 <= ord(c) <= 0xDFFF for c in text):
         return
     assert parse_config(text, CFG_PATH) == cfg
+
+
+# Any text a path or a TCTI may hold: quotes, backslashes, control characters, DEL,
+# characters beyond the BMP; no lone surrogates (they cannot be UTF-8, and
+# config_from_table refuses them) and no NUL (never in a path).
+_ANY_TEXT = st.text(
+    st.characters(blacklist_categories=("Cs",), blacklist_characters="\0"), min_size=1
+)
+_HELPER_USERS = st.from_regex(r"[A-Za-z_][A-Za-z0-9_.-]{0,30}\$?", fullmatch=True)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    host=st.from_regex(r"[a-z][a-z0-9-]{0,10}[a-z0-9](\.[a-z]{2,5}){0,2}", fullmatch=True),
+    port=st.none() | st.integers(1, 65535),
+    server_name=st.none() | st.sampled_from(["gw.internal", "127.0.0.1", "2001:db8::1"]),
+    data_dir=_ANY_TEXT,
+    helper=st.none()
+    | st.builds(
+        HelperConfig,
+        user=_HELPER_USERS,
+        socket=_ANY_TEXT.map(lambda s: Path("/" + s)),
+        hostconfig_dir=_ANY_TEXT.map(lambda s: Path("/" + s)),
+    ),
+    tpm=st.builds(TpmConfig, mode=st.sampled_from(["auto", "off", "required"]), tcti=_ANY_TEXT),
+)
+def test_any_config_written_with_tomli_w_reads_back_equal(
+    host: str,
+    port: int | None,
+    server_name: str | None,
+    data_dir: str,
+    helper: HelperConfig | None,
+    tpm: TpmConfig,
+) -> None:
+    cfg = Config(
+        path=CFG_PATH,
+        gateway_url=f"https://{host}" + (f":{port}" if port else ""),
+        site=SITE,
+        serving_ca_spki_pin=PIN_A,
+        join_signing_key_pin=PIN_B,
+        join_encryption_key_pin=PIN_C,
+        server_name=server_name or host,
+        data_dir=Path("/" + data_dir),
+        helper=helper,
+        tpm=tpm,
+    )
+    text = render_config(cfg)
+    assert parse_config(text, CFG_PATH) == cfg
+    assert config_from_table(tomllib.loads(text), CFG_PATH) == cfg
+    assert config_from_table(config_table(cfg), CFG_PATH) == cfg
+
+
+def test_a_table_is_read_as_its_toml_is() -> None:
+    """The bootstrap builds a table; what was once a json.dumps line is now a value.
+
+    json.dumps writes a character beyond the BMP as a surrogate pair, "\\ud83d\\ude00",
+    which no TOML reader accepts: that old way could not write this data_dir.
+    """
+    data_dir = '/srv/bcd "quoted" \\ back\tslash \x7f ü 😀'
+    with pytest.raises(tomllib.TOMLDecodeError):
+        tomllib.loads(f"data_dir = {json.dumps(data_dir)}")
+    table = {
+        "gateway_url": "https://gw.example.com",
+        "site": SITE,
+        "serving_ca_spki_pin": PIN_A,
+        "join_signing_key_pin": PIN_B,
+        "join_encryption_key_pin": PIN_C,
+        "data_dir": data_dir,
+    }
+    cfg = config_from_table(table, CFG_PATH)
+    assert cfg.data_dir == Path(data_dir)
+    assert config_table(cfg) == table
+    assert parse_config(render_config(cfg), CFG_PATH) == cfg
+
+
+def test_a_built_table_with_a_lone_surrogate_is_refused() -> None:
+    """A path from argv may carry surrogate escapes (undecodable bytes): refused with
+    the key named, not left to fail when the file is written after the join."""
+    table = {
+        "gateway_url": "https://gw.example.com",
+        "site": SITE,
+        "serving_ca_spki_pin": PIN_A,
+        "join_signing_key_pin": PIN_B,
+        "join_encryption_key_pin": PIN_C,
+        "data_dir": "/srv/\udcff",
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_table(table, CFG_PATH)
+    assert str(info.value) == f'{CFG_PATH}: "data_dir" is not valid UTF-8'
 
 
 # --- parsing never raises anything but ConfigError -------------------------------

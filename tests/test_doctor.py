@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-import socket
+import os
 from dataclasses import replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,13 +14,25 @@ import trio
 from bcd import pki
 from bcd.cli import main
 from bcd.config import Config, load_config
-from bcd.doctor import Check, exit_code, in_group, render_json, render_text, run_checks, tpm_check
+from bcd.doctor import (
+    Check,
+    all_checks,
+    exit_code,
+    in_group,
+    render_json,
+    render_text,
+    run_checks,
+    tpm_check,
+)
 from bcd.helper.server import HelperSettings
 from bcd.identity import Identity, load_state, persist_join
 from bcd.keys.file import generate_file_key, key_to_pem
-from tests.certs import CertAuthority, make_ca, new_id, node_identity
+from control.pki import Pki, build_pki
+from tests.adversarial import hostile
+from tests.certs import CertAuthority, make_ca, node_identity
 from tests.swtpm import SwTpm
 from tests.sysusers import temporary_user
+from tests.world import closed_tcti, offline_node_config
 
 WAY_BACK = "bcd join --reset --yes, then bcd join"
 
@@ -28,20 +40,6 @@ WAY_BACK = "bcd join --reset --yes, then bcd join"
 @pytest.fixture(scope="module")
 def ca() -> CertAuthority:
     return make_ca()
-
-
-def write_config(tmp_path: Path, data_dir: Path, extra: str = "") -> Path:
-    pins = [pki.spki_pin(pki.generate_key().public_key()) for _ in range(3)]
-    path = tmp_path / "config.toml"
-    path.write_text(
-        'gateway_url = "https://gw.example.com"\n'
-        f'site = "{new_id("site")}"\n'
-        f'serving_ca_spki_pin = "{pins[0]}"\n'
-        f'join_signing_key_pin = "{pins[1]}"\n'
-        f'join_encryption_key_pin = "{pins[2]}"\n'
-        f'data_dir = "{data_dir}"\n' + extra
-    )
-    return path
 
 
 def _now() -> datetime:
@@ -55,7 +53,7 @@ def join(data_dir: Path, ca: CertAuthority) -> Identity:
 
 
 def test_not_joined_is_a_warning(tmp_path: Path) -> None:
-    cfg = write_config(tmp_path, tmp_path / "data")
+    cfg = offline_node_config(tmp_path, tmp_path / "data")
     checks = run_checks(cfg, _now())
     assert checks == [
         Check("config", "ok", str(cfg)),
@@ -70,7 +68,7 @@ def test_not_joined_is_a_warning(tmp_path: Path) -> None:
 def test_joined_is_ok(tmp_path: Path, ca: CertAuthority) -> None:
     data_dir = tmp_path / "data"
     identity = join(data_dir, ca)
-    checks = run_checks(write_config(tmp_path, data_dir), _now())
+    checks = run_checks(offline_node_config(tmp_path, data_dir), _now())
     assert checks[1] == Check(
         "identity",
         "ok",
@@ -92,7 +90,7 @@ def test_expired_fails_with_the_way_back(tmp_path: Path, ca: CertAuthority) -> N
     data_dir = tmp_path / "data"
     identity = join(data_dir, ca)
     later = identity.not_after_time() + timedelta(minutes=1)
-    checks = run_checks(write_config(tmp_path, data_dir), later)
+    checks = run_checks(offline_node_config(tmp_path, data_dir), later)
     assert checks[1] == Check(
         "identity",
         "fail",
@@ -108,7 +106,7 @@ def test_mismatched_key_fails(tmp_path: Path, ca: CertAuthority) -> None:
     data_dir = tmp_path / "data"
     join(data_dir, ca)
     (data_dir / "node.key").write_bytes(key_to_pem(generate_file_key()))
-    checks = run_checks(write_config(tmp_path, data_dir), _now())
+    checks = run_checks(offline_node_config(tmp_path, data_dir), _now())
     assert checks[1] == Check(
         "identity",
         "fail",
@@ -122,7 +120,7 @@ def test_damaged_identity_fails(tmp_path: Path, ca: CertAuthority) -> None:
     data_dir = tmp_path / "data"
     join(data_dir, ca)
     (data_dir / "identity.json").write_text("{}")
-    check = run_checks(write_config(tmp_path, data_dir), _now())[1]
+    check = run_checks(offline_node_config(tmp_path, data_dir), _now())[1]
     assert check.status == "fail"
     assert check.message.startswith("identity.json is damaged: ")
     assert check.message.endswith(WAY_BACK)
@@ -132,7 +130,7 @@ def test_doctor_settles_an_interrupted_renewal(tmp_path: Path, ca: CertAuthority
     data_dir = tmp_path / "data"
     join(data_dir, ca)
     (data_dir / "node.key.next").write_bytes(key_to_pem(generate_file_key()))
-    assert run_checks(write_config(tmp_path, data_dir), _now())[1].status == "ok"
+    assert run_checks(offline_node_config(tmp_path, data_dir), _now())[1].status == "ok"
     assert not (data_dir / "node.key.next").exists()
     assert load_state(data_dir) is not None
 
@@ -149,7 +147,7 @@ def test_missing_config(tmp_path: Path) -> None:
 
 
 def test_bad_config_names_the_key(tmp_path: Path) -> None:
-    path = write_config(tmp_path, tmp_path / "data", extra='gatway_url = "x"\n')
+    path = offline_node_config(tmp_path, tmp_path / "data", extra='gatway_url = "x"\n')
     checks = run_checks(path, _now())
     assert checks[0] == Check("config", "fail", f'{path}: unknown key "gatway_url"')
     assert checks[1].status == "fail"
@@ -198,18 +196,11 @@ def test_plugins_check() -> None:
 
 
 def _tpm_config(tmp_path: Path, tpm: str, helper: str = "") -> Config:
-    return load_config(write_config(tmp_path, tmp_path / "data", helper + tpm))
-
-
-def _closed_tcti() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"swtpm:host=127.0.0.1,port={port}"
+    return load_config(offline_node_config(tmp_path, tmp_path / "data", helper + tpm))
 
 
 def test_tpm_off_is_ok_and_opens_nothing(tmp_path: Path) -> None:
-    cfg = _tpm_config(tmp_path, f'[tpm]\nmode = "off"\ntcti = "{_closed_tcti()}"\n')
+    cfg = _tpm_config(tmp_path, f'[tpm]\nmode = "off"\ntcti = "{closed_tcti()}"\n')
     assert tpm_check(cfg) == Check("tpm", "ok", "TPM not used (mode off)")
 
 
@@ -221,7 +212,7 @@ def test_tpm_present_with_its_ek_certificate(tmp_path: Path, swtpm: SwTpm) -> No
 
 
 def test_no_tpm_is_ok_in_auto_and_fails_when_required(tmp_path: Path) -> None:
-    tcti = _closed_tcti()
+    tcti = closed_tcti()
     auto = tpm_check(_tpm_config(tmp_path, f'[tpm]\nmode = "auto"\ntcti = "{tcti}"\n'))
     assert auto.status == "ok"
     assert auto.message.startswith(f"no TPM; node keys are files (no usable TPM at {tcti}: ")
@@ -243,7 +234,7 @@ def _helper_table(user: str, sock: Path) -> str:
 
 
 async def test_tpm_through_the_helper(tmp_path: Path, swtpm: SwTpm) -> None:
-    from tests.test_helper import running
+    from tests.world.agent import running
 
     sock = tmp_path / "run" / "helper.sock"
     settings = HelperSettings(
@@ -272,10 +263,10 @@ async def test_tpm_through_the_helper(tmp_path: Path, swtpm: SwTpm) -> None:
 
 
 async def test_a_helper_without_a_tpm(tmp_path: Path) -> None:
-    from tests.test_helper import running
+    from tests.world.agent import running
 
     sock = tmp_path / "run" / "helper.sock"
-    tcti = _closed_tcti()
+    tcti = closed_tcti()
     settings = HelperSettings(
         socket=sock, allowed_uids=frozenset({0}), socket_gid=0, tcti=tcti, tpm_mode="auto"
     )
@@ -309,10 +300,129 @@ def test_the_helper_user_in_the_tss_group_fails(tmp_path: Path) -> None:
 
 
 def test_doctor_json_has_the_tpm_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    config = write_config(tmp_path, tmp_path / "data", '[tpm]\nmode = "off"\n')
+    config = offline_node_config(tmp_path, tmp_path / "data", '[tpm]\nmode = "off"\n')
     assert main(["doctor", "--config", str(config), "--json"]) == 0
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["tpm"] == {"name": "tpm", "status": "ok", "message": "TPM not used (mode off)"}
     assert main(["doctor", "--config", str(tmp_path / "missing.toml"), "--json"]) == 1
     checks = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}
     assert checks["tpm"]["message"] == "cannot check the TPM without a configuration"
+
+
+# --- the servingca check ----------------------------------------------------------------
+
+SERVING_CA_WAY_BACK = (
+    "run install-bcd.sh again, or remove the file and bcd fetches it from the gateway, "
+    "checked against the pin"
+)
+
+
+def _pinned_config(tmp_path: Path, memory_pki: Pki) -> Path:
+    """config.toml pinned to ``memory_pki``'s serving CA, no serving-ca.pem, TPM off."""
+    config = hostile.write_config(tmp_path, memory_pki, 1, serving_ca=False)
+    config.write_text(config.read_text() + '[tpm]\nmode = "off"\n')
+    return config
+
+
+def _doctor_line(config: Path, capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``bcd doctor``'s exit code and its servingca line."""
+    code = main(["doctor", "--config", str(config)])
+    lines = [line for line in capsys.readouterr().out.splitlines() if " servingca " in line]
+    assert len(lines) == 1, lines
+    return code, lines[0]
+
+
+def test_serving_ca_pem_carrying_the_pin_is_ok(
+    tmp_path: Path, memory_pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _pinned_config(tmp_path, memory_pki)
+    pem = config.parent / "serving-ca.pem"
+    pem.write_text(pki.cert_pem(memory_pki.serving_ca))
+    pem.chmod(0o644)
+    assert _doctor_line(config, capsys) == (0, f"ok    servingca {pem} carries serving_ca_spki_pin")
+
+
+def test_a_missing_serving_ca_pem_is_a_warning(
+    tmp_path: Path, memory_pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _pinned_config(tmp_path, memory_pki)
+    pem = config.parent / "serving-ca.pem"
+    assert _doctor_line(config, capsys) == (
+        0,
+        f"warn  servingca no {pem}: bcd fetches it from the gateway on its next run (checked "
+        "against serving_ca_spki_pin); install-bcd.sh writes it",
+    )
+    assert not pem.exists()  # doctor neither probes nor writes
+
+
+def test_serving_ca_pem_of_another_ca_or_garbage_fails(
+    tmp_path: Path, memory_pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _pinned_config(tmp_path, memory_pki)
+    pem = config.parent / "serving-ca.pem"
+    loader_way_back = (
+        "it must be the serving CA certificate whose SPKI pin is serving_ca_spki_pin (run the "
+        "install script again, or remove the file and bcd fetches it from the gateway, checked "
+        "against the pin)"
+    )
+    other = build_pki("td.example", datetime.now(UTC))
+    pem.write_text(pki.cert_pem(other.serving_ca))
+    assert _doctor_line(config, capsys) == (
+        1,
+        f"fail  servingca {pem}: its SPKI pin is not serving_ca_spki_pin; {loader_way_back}",
+    )
+    pem.write_text("not a certificate\n")
+    assert _doctor_line(config, capsys) == (
+        1,
+        f"fail  servingca {pem}: it is not a PEM certificate; {loader_way_back}",
+    )
+    pem.write_text(pki.cert_pem(memory_pki.serving_ca) + pki.cert_pem(other.serving_ca))
+    assert _doctor_line(config, capsys) == (
+        1,
+        f"fail  servingca {pem}: it holds 2 certificates, not one; {loader_way_back}",
+    )
+
+
+def test_serving_ca_pem_that_is_not_a_regular_file_fails(
+    tmp_path: Path, memory_pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _pinned_config(tmp_path, memory_pki)
+    pem = config.parent / "serving-ca.pem"
+    os.mkfifo(pem)
+    assert _doctor_line(config, capsys) == (
+        1,
+        f"fail  servingca {pem}: is a FIFO, not a regular file; {SERVING_CA_WAY_BACK}",
+    )
+    pem.unlink()
+    pem.mkdir()
+    assert _doctor_line(config, capsys) == (
+        1,
+        f"fail  servingca cannot read {pem}: Is a directory; {SERVING_CA_WAY_BACK}",
+    )
+    pem.rmdir()
+    pem.write_bytes(b"x" * (64 * 1024 + 1))
+    assert _doctor_line(config, capsys) == (
+        1,
+        f"fail  servingca {pem}: larger than 65536 bytes; {SERVING_CA_WAY_BACK}",
+    )
+
+
+def test_a_world_writable_serving_ca_pem_fails(
+    tmp_path: Path, memory_pki: Pki, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = _pinned_config(tmp_path, memory_pki)
+    pem = config.parent / "serving-ca.pem"
+    pem.write_text(pki.cert_pem(memory_pki.serving_ca))
+    pem.chmod(0o666)
+    assert _doctor_line(config, capsys) == (
+        1,
+        f"fail  servingca {pem} can be changed by other users (mode 0666); it is the serving "
+        f"CA bcd trusts: chmod 0644 {pem}; {SERVING_CA_WAY_BACK}",
+    )
+
+
+def test_no_config_no_serving_ca_check(tmp_path: Path) -> None:
+    checks = {c.name: c for c in all_checks(tmp_path / "missing.toml", _now())}
+    assert checks["servingca"] == Check(
+        "servingca", "fail", "cannot check serving-ca.pem without a configuration"
+    )

@@ -9,7 +9,6 @@ import dataclasses
 import hashlib
 import json
 import os
-import pwd
 import shutil
 import signal
 import socket
@@ -18,8 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,10 +28,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from hypothesis import given
 from hypothesis import strategies as st
 from tpm2_pytss import ESAPI, TPM2B_PUBLIC, TPM2B_SENSITIVE_CREATE, TPMT_PUBLIC
-from tpm2_pytss.constants import ESYS_TR, TPM2_CAP, TPM2_HC
+from tpm2_pytss.constants import ESYS_TR
 
 from bcd import pki, wire
-from bcd.config import TpmMode, parse_config
+from bcd.config import parse_config
 from bcd.errors import BcdError
 from bcd.helper import HelperError, HelperKeyMismatch
 from bcd.helper.client import HelperAk, HelperClient
@@ -73,8 +71,8 @@ from bcd.tpm.record import NodeKeyPublic, NodeKeyRecord
 from bcd.tpm.templates import AK_ATTRIBUTES, check_ak_public, node_key_template, p256_public_area
 from bcd.tpm.verify import verify_certify
 from tests.swtpm import SwTpm
+from tests.world.agent import NOBODY, helper_settings, running, transients, wrong_helper
 
-NOBODY = pwd.getpwnam("nobody")
 DIGEST = hashlib.sha256(b"a message").digest()
 CSR_DIGEST = hashlib.sha256(b"a CSR").digest()
 
@@ -91,47 +89,6 @@ def sockdir() -> Iterator[Path]:
         yield path
     finally:
         shutil.rmtree(path)
-
-
-def _transients(tcti: str) -> list[int]:
-    esapi = ESAPI(tcti)
-    try:
-        handles: list[int] = []
-        for first in (TPM2_HC.TRANSIENT_FIRST, TPM2_HC.LOADED_SESSION_FIRST):
-            _, data = esapi.get_capability(TPM2_CAP.HANDLES, first, 64)
-            handles += [int(h) for h in data.data.handles]
-        return handles
-    finally:
-        esapi.close()
-
-
-def _settings(
-    swtpm: SwTpm,
-    sockdir: Path,
-    *,
-    allowed: frozenset[int] = frozenset({0}),
-    gid: int = NOBODY.pw_gid,
-    mode: TpmMode = "required",
-) -> HelperSettings:
-    return HelperSettings(
-        socket=sockdir / "run" / "helper.sock",
-        allowed_uids=allowed,
-        socket_gid=gid,
-        tcti=swtpm.tcti,
-        tpm_mode=mode,
-    )
-
-
-@asynccontextmanager
-async def running(settings: HelperSettings, *, tpm: bool = True) -> AsyncIterator[HelperClient]:
-    """bcd helper served in this process; afterwards the TPM holds no transient object."""
-    async with trio.open_nursery() as nursery:
-        path = await nursery.start(serve_helper, settings)
-        yield HelperClient(path)
-        nursery.cancel_scope.cancel()
-    assert not settings.socket.exists()
-    if tpm and settings.tpm_mode != "off":
-        assert _transients(settings.tcti) == []
 
 
 @contextlib.contextmanager
@@ -405,7 +362,7 @@ def test_client_and_protocol_do_not_load_tpm2_pytss() -> None:
 
 
 async def test_each_method_round_trips(swtpm: SwTpm, sockdir: Path) -> None:
-    async with running(_settings(swtpm, sockdir)) as client:
+    async with running(helper_settings(swtpm, sockdir)) as client:
         record = create_node_key_record()
         key = await client.nodekey(record)
         assert isinstance(key.public_key.curve, ec.SECP256R1)
@@ -432,7 +389,7 @@ async def test_each_method_round_trips(swtpm: SwTpm, sockdir: Path) -> None:
 
 
 async def test_socket_directory_and_mode(swtpm: SwTpm, sockdir: Path) -> None:
-    settings = _settings(swtpm, sockdir, mode="off")
+    settings = helper_settings(swtpm, sockdir, mode="off")
     async with running(settings):
         st_sock = os.lstat(settings.socket)
         assert stat.S_ISSOCK(st_sock.st_mode)
@@ -447,7 +404,7 @@ async def test_socket_directory_and_mode(swtpm: SwTpm, sockdir: Path) -> None:
 async def test_helper_checks_the_pin_and_refuses_other_templates(
     swtpm: SwTpm, sockdir: Path
 ) -> None:
-    settings = _settings(swtpm, sockdir)
+    settings = helper_settings(swtpm, sockdir)
     other = ec.generate_private_key(ec.SECP256R1()).public_key()
     record = create_node_key_record().pinned(other)
     async with running(settings) as client:
@@ -469,7 +426,7 @@ async def test_helper_checks_the_pin_and_refuses_other_templates(
 async def test_bad_requests_get_errors_and_the_connection_stays(
     swtpm: SwTpm, sockdir: Path
 ) -> None:
-    settings = _settings(swtpm, sockdir)
+    settings = helper_settings(swtpm, sockdir)
     async with running(settings):
         good = encode_request(9, AkCall())
         lines = await _raw(
@@ -494,7 +451,7 @@ async def test_bad_requests_get_errors_and_the_connection_stays(
 async def test_another_user_is_refused_and_logged(
     swtpm: SwTpm, sockdir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    settings = _settings(swtpm, sockdir, allowed=frozenset({0}))
+    settings = helper_settings(swtpm, sockdir, allowed=frozenset({0}))
     async with running(settings) as client:
         with as_nobody():
             stream = await trio.open_unix_socket(str(settings.socket))
@@ -517,7 +474,7 @@ async def test_another_user_is_refused_and_logged(
 
 
 async def test_the_helper_user_may_use_it(swtpm: SwTpm, sockdir: Path) -> None:
-    settings = _settings(swtpm, sockdir, allowed=frozenset({0, NOBODY.pw_uid}))
+    settings = helper_settings(swtpm, sockdir, allowed=frozenset({0, NOBODY.pw_uid}))
     async with running(settings) as client:
         with as_nobody():
             key = await client.nodekey(RECORD)
@@ -526,7 +483,7 @@ async def test_the_helper_user_may_use_it(swtpm: SwTpm, sockdir: Path) -> None:
 
 
 async def test_a_user_outside_the_socket_group_cannot_connect(swtpm: SwTpm, sockdir: Path) -> None:
-    settings = _settings(swtpm, sockdir, gid=0, mode="off")
+    settings = helper_settings(swtpm, sockdir, gid=0, mode="off")
     async with running(settings) as client:
         with as_nobody(), pytest.raises(HelperError, match="permission denied"):
             await client.ak()
@@ -542,15 +499,15 @@ async def test_leftovers_are_flushed_at_start(swtpm: SwTpm, sockdir: Path) -> No
             )
     finally:
         esapi.close()
-    assert len(_transients(swtpm.tcti)) == 3
-    async with running(_settings(swtpm, sockdir)) as client:
+    assert len(transients(swtpm.tcti)) == 3
+    async with running(helper_settings(swtpm, sockdir)) as client:
         key = await client.nodekey(RECORD)  # would find no free slot without the flush
         ak = await client.ak()
         await client.certify(RECORD, key, CSR_DIGEST, ak)  # two objects at once
 
 
 async def test_stale_socket_is_replaced_and_a_live_one_kept(swtpm: SwTpm, sockdir: Path) -> None:
-    settings = _settings(swtpm, sockdir, mode="off")
+    settings = helper_settings(swtpm, sockdir, mode="off")
     settings.socket.parent.mkdir(mode=0o755)
     stale = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     stale.bind(str(settings.socket))
@@ -566,7 +523,7 @@ async def test_stale_socket_is_replaced_and_a_live_one_kept(swtpm: SwTpm, sockdi
 
 
 async def test_what_is_not_a_socket_or_not_roots_is_left_alone(swtpm: SwTpm, sockdir: Path) -> None:
-    settings = _settings(swtpm, sockdir, mode="off")
+    settings = helper_settings(swtpm, sockdir, mode="off")
     settings.socket.parent.mkdir(mode=0o755)
     settings.socket.write_text("a file")
     with pytest.raises(HelperError, match="exists and is not a socket"):
@@ -592,7 +549,7 @@ async def test_a_failure_inside_the_helper_is_logged_not_sent(
         raise RuntimeError("internal detail 1234")
 
     monkeypatch.setattr("bcd.helper.server.public_key_of", broken)
-    async with running(_settings(swtpm, sockdir)) as client:
+    async with running(helper_settings(swtpm, sockdir)) as client:
         with pytest.raises(HelperError) as info:
             await client.nodekey(RECORD)
         assert str(info.value) == (
@@ -603,7 +560,7 @@ async def test_a_failure_inside_the_helper_is_logged_not_sent(
 
 
 async def test_a_lost_tpm_is_a_clear_error(swtpm: SwTpm, sockdir: Path) -> None:
-    async with running(_settings(swtpm, sockdir)) as client:
+    async with running(helper_settings(swtpm, sockdir)) as client:
         await trio.to_thread.run_sync(swtpm.stop)
         try:
             with pytest.raises(
@@ -675,37 +632,6 @@ def real(swtpm: SwTpm) -> Real:
 
 def _software_ak(key: ec.EllipticCurvePrivateKey) -> bytes:
     return p256_public_area(key.public_key(), AK_ATTRIBUTES)
-
-
-@asynccontextmanager
-async def wrong_helper(
-    path: Path, answer: Callable[[Request], bytes | None]
-) -> AsyncIterator[HelperClient]:
-    """A fake helper: ``answer`` gives the bytes sent back (None: close without a word)."""
-    sock = trio.socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    await sock.bind(str(path))
-    sock.listen()
-
-    async def handle(stream: trio.SocketStream) -> None:
-        async with stream:
-            buffer = LineBuffer()
-            line = None
-            while line is None:
-                data = await stream.receive_some(4096)
-                if not data:
-                    return
-                buffer.feed(data)
-                line = buffer.next_line()
-            reply = answer(parse_request(line))
-            if reply == b"hang":
-                await trio.sleep_forever()
-            if reply is not None:
-                await stream.send_all(reply)
-
-    async with trio.open_nursery() as nursery:
-        await nursery.start(trio.serve_listeners, handle, [trio.SocketListener(sock)])
-        yield HelperClient(path, timeout=2)
-        nursery.cancel_scope.cancel()
 
 
 def _answering(**results: Result) -> Callable[[Request], bytes]:
@@ -882,7 +808,8 @@ async def test_run_helper_serves_until_sigterm(swtpm: SwTpm, sockdir: Path) -> N
         "from bcd.config import load_config\n"
         "from bcd.helper.server import run_helper\n"
         "logging.basicConfig(format='%(name)s: %(message)s')\n"
-        f"sys.exit(run_helper(load_config(Path({str(config)!r}))))\n"
+        "warn = lambda m: print(m, file=sys.stderr)\n"
+        f"sys.exit(run_helper(load_config(Path({str(config)!r})), warn))\n"
     )
     proc = subprocess.Popen(  # noqa: ASYNC220 - a real process, waited for below
         [sys.executable, "-c", code],
@@ -910,19 +837,21 @@ async def test_run_helper_serves_until_sigterm(swtpm: SwTpm, sockdir: Path) -> N
     assert "received SIGTERM; stopping" in err
     assert "Traceback" not in err
     assert not socket_path.exists()
-    assert _transients(swtpm.tcti) == []
+    assert transients(swtpm.tcti) == []
 
 
-def test_run_helper_without_a_helper_table_or_user(
-    swtpm: SwTpm, sockdir: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def test_run_helper_without_a_helper_table_or_user(swtpm: SwTpm, sockdir: Path) -> None:
     path = sockdir / "config.toml"
     cfg = parse_config(_config_text(swtpm, sockdir / "h.sock", helper=False), path)
-    assert run_helper(cfg) == 1
-    assert "has no [helper] table" in capsys.readouterr().err
+    said: list[str] = []
+    assert run_helper(cfg, said.append) == 1
+    assert len(said) == 1
+    assert "has no [helper] table" in said[0]
     text = _config_text(swtpm, sockdir / "h.sock").replace('"nobody"', '"no-such-user-x"')
-    assert run_helper(parse_config(text, path)) == 1
-    assert "no user named 'no-such-user-x'" in capsys.readouterr().err
+    said.clear()
+    assert run_helper(parse_config(text, path), said.append) == 1
+    assert len(said) == 1
+    assert "no user named 'no-such-user-x'" in said[0]
 
 
 # --- root's join record -------------------------------------------------------------
@@ -961,10 +890,10 @@ def test_the_helper_reads_root_s_join_record(memory_pki: Any, tmp_path: Path) ->
 
 async def test_the_helper_tells_which_node_it_serves(swtpm: SwTpm, tmp_path: Path) -> None:
     node = "node_" + "b" * 26
-    settings = dataclasses.replace(_settings(swtpm, tmp_path), node_id=node)
+    settings = dataclasses.replace(helper_settings(swtpm, tmp_path), node_id=node)
     async with running(settings) as client:
         assert await client.served_node() == node
-    async with running(_settings(swtpm, tmp_path)) as client:
+    async with running(helper_settings(swtpm, tmp_path)) as client:
         assert await client.served_node() == ""
 
 
@@ -972,7 +901,7 @@ async def test_doctor_names_the_node_the_helper_serves(swtpm: SwTpm, tmp_path: P
     from bcd.doctor import helper_node_check
 
     node = "node_" + "c" * 26
-    settings = dataclasses.replace(_settings(swtpm, tmp_path), node_id=node)
+    settings = dataclasses.replace(helper_settings(swtpm, tmp_path), node_id=node)
     path = tmp_path / "config.toml"
     path.write_text(_config_text(swtpm, settings.socket))
     cfg = parse_config(path.read_text(), path)

@@ -34,7 +34,6 @@ import signal
 import socket
 import stat
 import struct
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -466,10 +465,11 @@ async def _main(settings: HelperSettings) -> None:
                 break
 
 
-def run_helper(cfg: Config) -> int:
+def run_helper(cfg: Config, warn: Callable[[str], None]) -> int:
     """``bcd helper``: serve until SIGTERM or SIGINT (0); 1 when it cannot start.
 
-    Runs as root. A reason it cannot start is printed as one line on stderr.
+    Runs as root. A reason it cannot start is one line to ``warn`` (bcd helper prints
+    it on stderr).
     """
     logging.getLogger().setLevel(logging.INFO)
     outcome = 0
@@ -478,7 +478,7 @@ def run_helper(cfg: Config) -> int:
             raise HelperError("bcd helper runs as root")
         trio.run(_main, settings_from_config(cfg))
     except* BcdError as group:
-        print(f"bcd helper: {_first(group)}", file=sys.stderr)
+        warn(f"bcd helper: {_first(group)}")
         outcome = 1
     return outcome
 
