@@ -7,11 +7,17 @@
     ├── UsageError           the command line is wrong (exit 2)
     ├── CredentialError      the join credential could not be read safely
     ├── IdentityError        the identity in the data directory does not load
+    │   └── IdentityExpired  the certificate expired before a renewal could be made
     ├── JoinError            the join failed (refused, or the answer did not verify)
     │   └── RetryableError   the control plane asked to retry (UNAVAILABLE, ...)
-    ├── CertificateRevoked   the gateway refused the node certificate (UNAUTHENTICATED)
+    │       └── GatewayUnauthenticated  UNAUTHENTICATED, with the notice it carried
+    ├── CertificateRevoked   a verified RevocationNotice: the node certificate is revoked
     └── TransportError       the gateway could not be reached or did not verify
         └── PeerVerificationError  the gateway's certificate did not verify (never retried)
+
+Elsewhere, beside their modules: ``TpmError`` (bcd.tpm), ``HelperError``
+(bcd.helper), ``JournalError`` (bcd.journal) are BcdErrors; ``SessionRefused``
+(bcd.session) is a TransportError.
 
 Every message says what happened and, where there is one, the way back.
 Lower-layer exceptions are translated at the boundary with ``raise ... from exc``.

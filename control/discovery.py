@@ -24,11 +24,12 @@ from cryptography import x509
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import hardware, pki, wire
-from bcd.plugins import VouchRecord
+from bcd.attestor_api import VouchRecord
 from control import events
+from control.admission import clock_skewed
 from control.errors import ControlError, invalid
 from control.ids import iso, new_id
-from control.proofs import CLOCK_SKEW_MS, proof_sha256, spend_proof
+from control.proofs import proof_sha256, spend_proof
 from control.store import Row, Tx
 
 VOUCH_PATH = "/v1/discovery/vouch"
@@ -160,7 +161,7 @@ def record_vouch(
     site_id = str(agent["site_id"])
     now_ms = tx.now_ms()
     if proof is not None:
-        if abs(proof.client_time_ms - now_ms) > CLOCK_SKEW_MS:
+        if clock_skewed(proof.client_time_ms, now_ms):
             raise ControlError(
                 "ACCESS_DENIED", "the vouch's client_time is more than 60 s off; check the clock"
             )

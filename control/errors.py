@@ -4,10 +4,11 @@
 
     ControlError(code, message)     an answer the API or gateway sends as {"code", "message"}
     ├── Refused                     a join or renewal refusal: the client sees only the
-    │                               uniform ACCESS_DENIED text; ``reason`` stays server-side
+    │   │                           uniform ACCESS_DENIED text; ``reason`` stays server-side
+    │   └── RenewRefused            a renewal's (control.renewal), with the node and serial
     ├── StoreUnavailable            the database does not answer now: UNAVAILABLE with a
     │                               pushback, never reported as a bug
-    └── StoreConflict               a uniqueness race in the store (mapped to CONFLICT)
+    └── StoreConflict               a uniqueness race in the store: CONFLICT
 
 Only ``code`` and ``message`` ever leave the process; an exception's own text, a
 traceback or a database error never does.
@@ -67,5 +68,15 @@ class StoreUnavailable(ControlError):
         super().__init__("UNAVAILABLE", message, retry_after_ms=STORE_PUSHBACK_MS)
 
 
-class StoreConflict(Exception):
-    """Raised by the store when a unique constraint is violated."""
+CONFLICT_MESSAGE = "a concurrent change conflicted with this one; retry"
+
+
+class StoreConflict(ControlError):
+    """Raised by the store when a unique constraint is violated.
+
+    Callers that know the race catch it and answer in their own words (a join judged
+    again, ``This node renewed concurrently; retry``); one that reaches the API
+    unhandled is answered ``CONFLICT``, never as a bug."""
+
+    def __init__(self, message: str = CONFLICT_MESSAGE) -> None:
+        super().__init__("CONFLICT", message)

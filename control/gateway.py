@@ -34,7 +34,7 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import trio
 
@@ -144,20 +144,48 @@ class NodeCalls:
         return Response(200, wire.dumps(answer), [("content-type", "application/json")])
 
 
-async def _in_tx(store: Store, limiter: trio.CapacityLimiter, fn: Callable[[Tx], T]) -> T:
+class Offload(Protocol):
+    """How a store call leaves the event loop (the store is synchronous)."""
+
+    def __call__(self, fn: Callable[[], T], limiter: trio.CapacityLimiter) -> Awaitable[T]: ...
+
+
+async def in_worker_thread(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+    """The default: a worker thread, at most ``limiter``'s many at once."""
+    return await trio.to_thread.run_sync(fn, limiter=limiter)
+
+
+async def inline(fn: Callable[[], T], limiter: trio.CapacityLimiter) -> T:
+    """On the event loop itself: for tests under ``trio.testing.MockClock``, whose
+    autojump must not run while a worker thread holds the store."""
+    async with limiter:
+        return fn()
+
+
+async def _in_tx(
+    store: Store,
+    limiter: trio.CapacityLimiter,
+    fn: Callable[[Tx], T],
+    offload: Offload = in_worker_thread,
+) -> T:
     def work() -> T:
         with store.tx() as tx:
             return fn(tx)
 
-    return await trio.to_thread.run_sync(work, limiter=limiter)
+    return await offload(work, limiter)
 
 
-async def live_peer(store: Store, limiter: trio.CapacityLimiter, req: Request) -> tuple[str, str]:
+async def live_peer(
+    store: Store,
+    limiter: trio.CapacityLimiter,
+    req: Request,
+    offload: Offload = in_worker_thread,
+) -> tuple[str, str]:
     """(node id, serial) of the request's client certificate, else UNAUTHENTICATED."""
     der = req.peer_cert_der
     if der is None:
         raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
-    peer, notice = await _in_tx(store, limiter, lambda tx: renewal.peer_or_notice(tx, der))
+    peer, notice = await _in_tx(store, limiter, lambda tx: renewal.peer_or_notice(tx, der), offload)
     if peer is None:
         raise ControlError(
             "UNAUTHENTICATED",
@@ -174,6 +202,7 @@ class Gateway:
     limiter: trio.CapacityLimiter
     ready: Callable[[], Awaitable[tuple[bool, str]]] | None = None
     ping_interval_s: float = PING_INTERVAL_S
+    offload: Offload = in_worker_thread
     sessions: dict[str, list[_Session]] = field(default_factory=dict)
     by_node: dict[str, list[_Session]] = field(default_factory=dict)
     _poked: trio.Event = field(default_factory=trio.Event)
@@ -208,7 +237,7 @@ class Gateway:
                     session.send.send_nowait(_DRAIN)
 
     async def _run(self, fn: Callable[[Tx], T]) -> T:
-        return await _in_tx(self.store, self.limiter, fn)
+        return await _in_tx(self.store, self.limiter, fn, self.offload)
 
     async def handle(self, req: Request) -> Response:
         if req.method == "GET" and req.path in ("/healthz", "/readyz"):
@@ -232,7 +261,7 @@ class Gateway:
     async def _session(self, req: Request) -> Response:
         if self.draining:
             raise ControlError("UNAVAILABLE", "this gateway is shutting down", retry_after_ms=1_000)
-        node_id, serial = await live_peer(self.store, self.limiter, req)
+        node_id, serial = await live_peer(self.store, self.limiter, req, self.offload)
         try:
             hello = wire.parse_hello(wire.loads_object(req.body))
         except wire.WireError as exc:

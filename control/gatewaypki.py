@@ -40,7 +40,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from bcd import fs
 from bcd.pki import ROLE_PREFIX, cert_pem, generate_key
-from control import pki
+from control import pki, pkicerts
 from control.pki import GATEWAY_LIFETIME, Pki, PkiSetupError
 
 RELAY_ROLE = ROLE_PREFIX + "relay"
@@ -52,9 +52,9 @@ def make_relay_cert(
     loaded: Pki, public_key: ec.EllipticCurvePublicKey, name: str, now: datetime
 ) -> x509.Certificate:
     """A relay client certificate from the serving CA, 90 days, clientAuth only."""
-    now = pki._utc(now)
+    now = pkicerts._utc(now)
     start = now - pki.backdate(GATEWAY_LIFETIME)
-    pki._within_issuer(loaded.serving_ca, start + GATEWAY_LIFETIME, "serving CA")
+    pkicerts._within_issuer(loaded.serving_ca, start + GATEWAY_LIFETIME, "serving CA")
     subject = x509.Name(
         [
             x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, RELAY_ROLE),
@@ -62,16 +62,16 @@ def make_relay_cert(
         ]
     )
     builder = (
-        pki._builder(
+        pkicerts._builder(
             subject,
-            pki._require_p256(public_key),
+            pkicerts._require_p256(public_key),
             loaded.serving_ca.subject,
-            pki._ski(loaded.serving_ca),
+            pkicerts._ski(loaded.serving_ca),
             now,
             GATEWAY_LIFETIME,
         )
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(pki._key_usage(sign=True), critical=True)
+        .add_extension(pkicerts._key_usage(sign=True), critical=True)
         .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
     )
     return builder.sign(loaded.serving_ca_key, hashes.SHA256())
@@ -114,7 +114,7 @@ def issue_bundle(loaded: Pki, out: Path, san: str, now: datetime) -> Path:
     A bundle already in ``out`` is replaced file by file (keys first, gateway.json
     last), so a re-issue before the 90 days end is a rotation.
     """
-    name = pki._san_text(pki.normalise_san(san))
+    name = pkicerts._san_text(pki.normalise_san(san))
     serving_key, relay_key = generate_key(), generate_key()
     serving = pki.make_gateway_cert(loaded, serving_key.public_key(), san, now)
     relay = make_relay_cert(loaded, relay_key.public_key(), name, now)
@@ -123,7 +123,7 @@ def issue_bundle(loaded: Pki, out: Path, san: str, now: datetime) -> Path:
         "trust_domain": loaded.trust_domain,
         "san": name,
         "relay_name": name,
-        "created": pki._utc(now).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        "created": pkicerts._utc(now).strftime("%Y-%m-%dT%H:%M:%SZ"),
         "not_after": serving.not_valid_after_utc.strftime("%Y-%m-%dT%H:%M:%SZ"),
     }
     files: list[tuple[str, bytes, int]] = [

@@ -1,6 +1,6 @@
 """Join requests: what a deferring attestor saw, and the decisions on it (issue 5).
 
-An attestor that answers :class:`~bcd.plugins.Defer` has JoinService record a
+An attestor that answers :class:`~bcd.attestor_api.Defer` has JoinService record a
 request here (or refresh the machine's pending one with its new CSR) and answer a
 signed ``pending`` body. A tenant decides on the pool, like join tokens:
 ``approve`` (with a TTL of 60 to 86,400 s) lets exactly one retry with the recorded
@@ -14,7 +14,7 @@ import json
 import re
 from typing import Any
 
-from bcd.plugins import Defer, JoinRequestRecord
+from bcd.attestor_api import Defer, JoinRequestRecord
 from control import events, tenancy
 from control.errors import ControlError, invalid, not_found
 from control.http import source_of

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import hashlib
 
+from control.admission import CLOCK_SKEW_MS
 from control.store import Tx
 
-CLOCK_SKEW_MS = 60_000
+__all__ = ["CLOCK_SKEW_MS", "REPLAY_WINDOW_MS", "proof_sha256", "spend_proof"]
 REPLAY_WINDOW_MS = 120_000
 _P256_ORDER = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
 

@@ -30,8 +30,6 @@ stored one, so the row lock on the node is held briefly.
 
 from __future__ import annotations
 
-import base64
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,22 +39,16 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki, wire
 from bcd.tpm.attestation import AttestationRefused, check_key_attestation
-from control import events
+from control import admission, events, repos
 from control.errors import ControlError, Refused, StoreConflict, invalid
-from control.joinservice import (
-    JoinCrypto,
-    issue_recorded_leaf,
-    record_refusal,
-    signed_identity,
-)
+from control.issuance import JoinCrypto, issue_recorded_leaf, record_refusal, signed_identity
 from control.proofs import proof_sha256, spend_proof
 from control.store import Row, Store, Tx
 
 RENEW_REFUSED = "Renew refused"
 CONCURRENT = "This node renewed concurrently; retry"
-CLOCK_SKEW_MS = 60_000
-RENEWALS_PER_HOUR = 6
-RATE_WINDOW_MS = 3_600_000
+RENEWALS_PER_HOUR = admission.RENEWALS_PER_HOUR  # admission's MIN_LIFETIME_S depends on it
+RATE_WINDOW_MS = admission.RATE_WINDOW_MS
 # How far a revocation poller should look back behind its previous poll: revoked_at
 # is the revoking transaction's start, so a slow transaction can commit a
 # revocation stamped before one already seen (see revoked_since).
@@ -125,41 +117,31 @@ class RenewService:
     def _renew(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto) -> str:
         request, info = attempt.request, attempt.leaf
         now_ms = tx.now_ms()
-        found = _cert_row(tx, attempt.leaf_der)
+        found = None if info is None else repos.cert_row(tx, attempt.leaf_der, info.serial_hex)
         if found is None or info is None:
             raise RenewRefused("leaf-unknown")
         node_id, serial = str(found["node_id"]), str(found["serial"])
 
-        def refuse(reason: str, tenant_id: str | None = None) -> RenewRefused:
-            return RenewRefused(reason, tenant_id, node_id=node_id, serial=serial)
+        def refuse(refusal: admission.Refusal) -> RenewRefused:
+            return RenewRefused(refusal.reason, refusal.tenant_id, node_id=node_id, serial=serial)
 
         # Lock the node, then read its certificates again: a revocation, reclaim or
         # deletion (which lock the node first) is either wholly before or after us.
-        node = tx.one("SELECT * FROM nodes WHERE id = ?" + tx.for_update, (node_id,))
-        row = tx.one("SELECT * FROM node_certs WHERE serial = ?", (serial,))
-        assert row is not None  # node_certs rows are never deleted
-        if row["revoked_at"] is not None:
-            raise refuse("leaf-revoked")
-        if now_ms > int(row["not_after"]):
-            raise refuse("leaf-expired")
-        if node is None or node["retired_at"] is not None:
-            raise refuse("node-retired")
-        generation = int(node["identity_generation"])
-        if int(row["identity_generation"]) != generation:
-            raise refuse("generation")
-        peer = _cert_row(tx, attempt.peer_der)
-        if peer is None or peer["node_id"] != node_id or peer["revoked_at"] is not None:
-            raise refuse("identity-mismatch")
-        if abs(request.client_time_ms - now_ms) > CLOCK_SKEW_MS:
-            raise refuse("clock-skew")
-        if not spend_proof(tx, attempt.proof_sha256, node_id, now_ms):
-            raise refuse("pop-replay")
-        if not attempt.pop_ok:
-            raise refuse("pop-invalid")
+        node = repos.lock_node(tx, node_id)
+        leaf = repos.cert_facts(repos.cert_by_serial(tx, serial))
+        assert leaf is not None  # node_certs rows are never deleted
+        peer = repos.cert_facts(repos.cert_row(tx, attempt.peer_der))
+        refusal = admission.judge_renew_leaf(leaf, node, peer, request.client_time_ms, now_ms)
+        if refusal is not None:
+            raise refuse(refusal)
+        assert node is not None  # judge_renew_leaf refused a missing node
+        fresh = spend_proof(tx, attempt.proof_sha256, node_id, now_ms)
         # The caller proved the current key: from here the node's owner hears of it.
-        tenant = str(node["tenant_id"])
-        if attempt.csr is None:
-            raise refuse("csr-invalid", tenant)
+        tenant = node.tenant_id
+        refusal = admission.judge_renew_proof(fresh, attempt.pop_ok, attempt.csr, tenant)
+        if refusal is not None:
+            raise refuse(refusal)
+        assert attempt.csr is not None  # judge_renew_proof refused a CSR that does not parse
         try:  # a leaf naming an AK renews only with that AK's proof: never downgraded
             check_key_attestation(
                 request.key_attestation,
@@ -168,7 +150,7 @@ class RenewService:
                 request.csr_der,
             )
         except AttestationRefused as exc:
-            raise refuse(exc.reason, tenant) from None
+            raise refuse(admission.Refusal(exc.reason, tenant)) from None
         pushback = check_renew_rate(tx, node_id)
         if pushback is not None:
             raise ControlError(
@@ -177,18 +159,20 @@ class RenewService:
                 retry_after_ms=pushback,
             )
         # Role, allowed kinds and statements come from the stored leaf and its row
-        # (the presented leaf is byte for byte that leaf), never from the CSR.
-        role = str(row["role"])
+        # (the presented leaf is byte for byte that leaf), never from the CSR; the
+        # lifetime keeps the cap the node's admitting attestor set.
+        role, generation = leaf.role, node.identity_generation
         spiffe = pki.SpiffeId(crypto.trust_domain, info.spiffe.site_id, node_id)
-        leaf, new = issue_recorded_leaf(
+        cert, new = issue_recorded_leaf(
             tx,
             crypto,
             pki.csr_public_key(attempt.csr),
             spiffe,
             role,
             info.statements,
-            json.loads(row["allowed_kinds"]),
+            leaf.allowed_kinds,
             generation,
+            node.max_lifetime_s,
         )
         tx.execute(
             "DELETE FROM renewals WHERE node_id = ? AND renewed_at <= ?",
@@ -206,7 +190,7 @@ class RenewService:
             {"nodeId": node_id, "previousSerial": serial, "certSerial": new.serial_hex},
         )
         return signed_identity(
-            crypto, "renewed", spiffe, role, leaf, attempt.csr_sha256, now_ms, generation
+            crypto, "renewed", spiffe, role, cert, attempt.csr_sha256, now_ms, generation
         )
 
     def _record_refusal(self, attempt: _Attempt, refusal: RenewRefused) -> None:
@@ -251,20 +235,6 @@ def _prepare(request: wire.RenewRequest, peer_cert_der: bytes | None) -> _Attemp
     )
 
 
-def _cert_row(tx: Tx, der: bytes | None) -> Row | None:
-    """The node_certs row whose DER is byte for byte ``der``, else None."""
-    if der is None:
-        return None
-    try:
-        serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
-    except (ValueError, x509.InvalidVersion):
-        return None
-    row = tx.one("SELECT * FROM node_certs WHERE serial = ?", (serial,))
-    if row is None or base64.b64decode(row["der"]) != der:
-        return None
-    return row
-
-
 # --- for the gateway --------------------------------------------------------------------
 
 
@@ -292,7 +262,7 @@ def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
     Live: byte for byte a node_certs row, unrevoked, within its validity at
     ``compute_now()``, of a node that is not retired.
     """
-    row = _cert_row(tx, peer_cert_der)
+    row = repos.cert_row(tx, peer_cert_der)
     if row is None or row["revoked_at"] is not None:
         return None
     now_ms = tx.now_ms()
@@ -310,7 +280,7 @@ def peer_or_notice(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | None
     peer = peer_status(tx, peer_cert_der)
     if peer is not None:
         return peer, None
-    row = _cert_row(tx, peer_cert_der)
+    row = repos.cert_row(tx, peer_cert_der)
     notice = row.get("revoke_notice") if row is not None and row["revoked_at"] else None
     return None, str(notice) if notice else None
 

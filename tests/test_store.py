@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 import time
 
+import psycopg
 import pytest
 
 from control.errors import StoreConflict
@@ -46,6 +48,33 @@ def test_unique_violation_is_a_store_conflict(store: Store) -> None:
         tx.execute("INSERT INTO tenants (id, name, is_root, created_at) VALUES ('a', 'a', 1, 0)")
     with pytest.raises(StoreConflict), store.tx() as tx:
         tx.execute("INSERT INTO tenants (id, name, is_root, created_at) VALUES ('b', 'b', 1, 0)")
+
+
+def test_primary_key_violation_is_a_store_conflict(store: Store) -> None:
+    with store.tx() as tx:
+        tx.execute("INSERT INTO tenants (id, name, is_root, created_at) VALUES ('a', 'a', 0, 0)")
+    with pytest.raises(StoreConflict), store.tx() as tx:
+        tx.execute("INSERT INTO tenants (id, name, is_root, created_at) VALUES ('a', 'b', 0, 0)")
+
+
+@pytest.mark.parametrize(
+    "sql",
+    [
+        "INSERT INTO tenants (id, name, is_root, created_at) VALUES ('c', NULL, 0, 0)",
+        "INSERT INTO sites (id, tenant_id, name, created_at) VALUES ('s', 'no-such-tenant', 's', 0)",
+    ],
+    ids=["not-null", "foreign-key"],
+)
+def test_other_integrity_errors_are_bugs_not_conflicts(store: Store, sql: str) -> None:
+    """Only a unique violation is a conflict to retry (as on PostgreSQL): a NOT NULL or
+    foreign key failure is the driver's own error, and nothing is kept."""
+    driver_error = (sqlite3.IntegrityError, psycopg.errors.IntegrityError)
+    with pytest.raises(driver_error) as info, store.tx() as tx:
+        tx.execute(sql)
+    assert not isinstance(info.value, StoreConflict)
+    with store.tx() as tx:
+        assert tx.query("SELECT id FROM tenants WHERE id = 'c'") == []
+        assert tx.query("SELECT id FROM sites WHERE id = 's'") == []
 
 
 def test_row_lock_serialises_concurrent_decrements(store_url: str) -> None:

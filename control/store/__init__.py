@@ -5,8 +5,14 @@ one PostgreSQL database. Code above the store writes SQL once, with ``?``
 placeholders; the PostgreSQL backend translates them. Calls are synchronous and run
 in ``trio.to_thread.run_sync`` from the servers (psycopg's async API needs asyncio).
 
-Time is the database's own: :meth:`Tx.now_ms` is ``compute_now()``, read once at the
-start of each transaction, and every expiry is judged against it.
+Time is the database's own: :meth:`Tx.now_ms` is ``compute_now()``, read once per
+transaction, and every expiry is judged against it. Tests inject a clock instead
+(``open_store(url, clock=...)``, :mod:`control.clock`).
+
+A database that cannot answer now (unreachable, a held lock past the timeout, a file
+that cannot be opened) raises :class:`~control.errors.StoreUnavailable`: UNAVAILABLE
+with a pushback, never a bug's answer. A unique-constraint race raises
+:class:`~control.errors.StoreConflict` (CONFLICT).
 """
 
 from __future__ import annotations

@@ -9,6 +9,8 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from control.clock import Clock
+
 Row = dict[str, Any]
 Params = Sequence[Any]
 
@@ -22,6 +24,9 @@ class Tx(abc.ABC):
 
     for_update: str = ""
     revoked: bool = False
+    clock: Clock | None = None
+    """The store's injected clock (tests); None: the database's own time."""
+    _now: int | None = None
 
     @abc.abstractmethod
     def execute(self, sql: str, params: Params = ()) -> int:
@@ -35,9 +40,16 @@ class Tx(abc.ABC):
         rows = self.query(sql, params)
         return rows[0] if rows else None
 
-    @abc.abstractmethod
     def now_ms(self) -> int:
-        """``compute_now()``: the database's time at the start of this transaction."""
+        """``compute_now()``: the database's time at the start of this transaction (or
+        the injected clock's, :mod:`control.clock`), read once per transaction."""
+        if self._now is None:
+            self._now = self.clock.now_ms() if self.clock is not None else self._database_ms()
+        return self._now
+
+    @abc.abstractmethod
+    def _database_ms(self) -> int:
+        """The database's own time now, in unix milliseconds."""
 
     def script(self, sql: str) -> None:
         """Run a dialect's own migration script as it is (PostgreSQL only)."""
@@ -46,6 +58,9 @@ class Tx(abc.ABC):
 
 class Store(abc.ABC):
     dialect: str
+    clock: Clock | None = None
+    """Set by ``open_store(..., clock=...)``: every transaction's ``now_ms()`` comes
+    from it instead of the database (tests; production keeps the database's time)."""
 
     @abc.abstractmethod
     def tx(self) -> contextlib.AbstractContextManager[Tx]:
@@ -107,22 +122,32 @@ def split_sql(script: str) -> list[str]:
 
 
 def open_store(
-    url: str, *, read_only: bool = False, timeout: float = 30.0, max_size: int = 8
+    url: str,
+    *,
+    read_only: bool = False,
+    timeout: float = 30.0,
+    max_size: int = 8,
+    clock: Clock | None = None,
 ) -> Store:
     """``sqlite:///path/to/file.db`` or ``postgresql://…``.
 
     ``read_only`` (PostgreSQL only: the gateway role) makes every transaction read
-    only; ``timeout`` bounds the wait for a connection before the store is reported
-    unavailable.
+    only; ``timeout`` bounds the wait for a connection (SQLite: for the write lock)
+    before the store is reported unavailable. ``clock`` replaces the database's time
+    (tests, :mod:`control.clock`).
     """
+    store: Store
     if url.startswith("sqlite:///"):
         if read_only:
             raise ValueError("a read-only store (serve --role gateway) needs postgresql://")
         from control.store.sqlite import SqliteStore
 
-        return SqliteStore(url[len("sqlite:///") :])
-    if url.startswith(("postgresql://", "postgres://")):
+        store = SqliteStore(url[len("sqlite:///") :], timeout=timeout)
+    elif url.startswith(("postgresql://", "postgres://")):
         from control.store.postgres import PostgresStore
 
-        return PostgresStore(url, read_only=read_only, timeout=timeout, max_size=max_size)
-    raise ValueError("the database URL must start with sqlite:/// or postgresql://")
+        store = PostgresStore(url, read_only=read_only, timeout=timeout, max_size=max_size)
+    else:
+        raise ValueError("the database URL must start with sqlite:/// or postgresql://")
+    store.clock = clock
+    return store

@@ -13,6 +13,7 @@ import psycopg.errors
 from psycopg.rows import dict_row
 from psycopg_pool import ConnectionPool, PoolTimeout
 
+from control.clock import Clock
 from control.errors import ControlError, StoreConflict, StoreUnavailable
 from control.store.base import Params, Row, Store, Tx
 
@@ -29,9 +30,9 @@ def _sql(sql: str) -> str:
 class _PgTx(Tx):
     for_update = " FOR UPDATE"
 
-    def __init__(self, conn: psycopg.Connection[Any]) -> None:
+    def __init__(self, conn: psycopg.Connection[Any], clock: Clock | None) -> None:
         self._conn = conn
-        self._now: int | None = None
+        self.clock = clock
 
     def execute(self, sql: str, params: Params = ()) -> int:
         try:
@@ -39,19 +40,17 @@ class _PgTx(Tx):
                 cur.execute(_sql(sql), tuple(params))
                 return cur.rowcount
         except psycopg.errors.UniqueViolation as exc:
-            raise StoreConflict("unique constraint") from exc
+            raise StoreConflict() from exc
 
     def query(self, sql: str, params: Params = ()) -> list[Row]:
         with self._conn.cursor() as cur:
             cur.execute(_sql(sql), tuple(params))
             return [dict(r) for r in cur.fetchall()]
 
-    def now_ms(self) -> int:
-        if self._now is None:
-            row = self.one(_NOW)
-            assert row is not None
-            self._now = int(row["now"])
-        return self._now
+    def _database_ms(self) -> int:
+        row = self.one(_NOW)
+        assert row is not None
+        return int(row["now"])
 
     def script(self, sql: str) -> None:
         # No parameters: psycopg sends the text as is, several statements and
@@ -119,7 +118,7 @@ class PostgresStore(Store):
     def tx(self) -> Iterator[Tx]:
         try:
             with self._pool.connection() as conn:
-                tx = _PgTx(conn)
+                tx = _PgTx(conn, self.clock)
                 try:
                     yield tx
                 except BaseException:
@@ -129,7 +128,7 @@ class PostgresStore(Store):
                 try:
                     conn.commit()
                 except psycopg.errors.UniqueViolation as exc:
-                    raise StoreConflict("unique constraint") from exc
+                    raise StoreConflict() from exc
                 if tx.revoked:
                     _notify_revoked(conn)
         except (PoolTimeout, psycopg.OperationalError) as exc:

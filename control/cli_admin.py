@@ -1,0 +1,223 @@
+"""``better-compute`` commands run on the control plane's host: the PKI, ``serve``,
+``migrate`` and the first tenant."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from bcd import fs
+from control.cli_common import _db_url, _emit, _home, _now, _secret
+from control.errors import ControlError
+
+# --- pki ------------------------------------------------------------------------------
+
+
+def cmd_pki_init(args: argparse.Namespace) -> int:
+    from control import pki
+
+    secret = _secret()
+    directory = _home(args) / "pki"
+    try:
+        pki.init_pki(directory, args.trust_domain, secret, _now())
+        loaded = pki.load_pki(directory, secret)
+    except pki.PkiSetupError as exc:
+        raise ControlError(
+            "ALREADY_EXISTS" if "already" in str(exc) else "INVALID_ARGUMENT", str(exc)
+        ) from exc
+    print(f"PKI for {args.trust_domain} written to {directory}")
+    for name, pin in loaded.pins().items():
+        print(f'{name} = "{pin}"')
+    return 0
+
+
+def cmd_pki_issue_gateway(args: argparse.Namespace) -> int:
+    from control import pki
+
+    secret = _secret()
+    directory = _home(args) / "pki"
+    try:
+        loaded = pki.load_pki(directory, secret)
+        if args.out:
+            from control import gatewaypki
+
+            meta = gatewaypki.issue_bundle(loaded, Path(args.out), args.san, _now())
+            print(f"gateway bundle for {args.san} written to {meta.parent}")
+            return 0
+        cert, _key = pki.issue_gateway(loaded, directory, args.san, secret, _now())
+    except (pki.PkiSetupError, ValueError) as exc:
+        raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
+    print(f"gateway certificate for {args.san} written to {cert}")
+    return 0
+
+
+def cmd_pki_pins(args: argparse.Namespace) -> int:
+    from control import pki
+
+    directory = _home(args) / "pki"
+    try:
+        found = pki.public_pins(directory)  # public values: no secret needed
+        pins = found if found is not None else pki.load_pki(directory, _secret()).pins()
+    except pki.PkiSetupError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+    if args.json:
+        print(json.dumps(pins, indent=2))
+    else:
+        for name, pin in pins.items():
+            print(f'{name} = "{pin}"')
+    return 0
+
+
+def cmd_pki_rotate_join_key(args: argparse.Namespace) -> int:
+    from control import pki
+
+    secret = _secret()
+    directory = _home(args) / "pki"
+    try:
+        retired = pki.rotate_join_encryption_key(directory, secret, _now())
+        loaded = pki.load_pki(directory, secret)
+    except pki.PkiSetupError as exc:
+        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+    print(f"a new join encryption key is in {directory}; the old one is kept as {retired.name}")
+    print(f'join_encryption_key_pin = "{loaded.pins()["join_encryption_key_pin"]}"')
+    print(
+        "restart better-compute serve to use it, then generate every install script again "
+        "(better-compute daemon install-script): old scripts and join-encryption.jwk files no "
+        "longer match; joined nodes are not affected"
+    )
+    return 0
+
+
+# --- serve and bootstrap ----------------------------------------------------------------
+
+
+_ROLE_FLAGS = {
+    "api": ("relay_listen", "relay_san"),
+    "gateway": ("gateway_dir", "api_upstream"),
+    "api/all": (
+        "downloads", "tpm_ek_ca", "tpm_ek_allow", "tpm_pool", "x509pop_ca", "discovery_pool",
+        "attestor_setting", "gateway_url",
+    ),
+}  # fmt: skip
+
+
+def _check_role_flags(args: argparse.Namespace) -> None:
+    """A flag of another role is a usage error, never silently ignored."""
+    for roles, flags in _ROLE_FLAGS.items():
+        if args.role in roles.split("/"):
+            continue
+        for flag in flags:
+            if getattr(args, flag, None):
+                name = "--" + flag.replace("_", "-")
+                print(
+                    f"better-compute: usage: {name} is for --role {roles.replace('/', ' or ')}",
+                    file=sys.stderr,
+                )
+                raise SystemExit(2)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from control import server
+
+    _check_role_flags(args)
+    if args.role == "gateway":
+        if os.environ.get("BETTER_COMPUTE_SECRET"):
+            raise ControlError(
+                "INVALID_CONFIG",
+                "a gateway holds no PKI key: unset BETTER_COMPUTE_SECRET in its environment",
+            )
+        if not args.db and not os.environ.get("BETTER_COMPUTE_DB"):
+            raise ControlError(
+                "INVALID_ARGUMENT", "--role gateway needs --db postgresql://… (its read-only role)"
+            )
+        if not args.api_upstream:
+            raise ControlError("INVALID_ARGUMENT", "--role gateway needs --api-upstream URL")
+    return server.main(
+        home=_home(args),
+        db_url=_db_url(args),
+        api_listen=args.api_listen,
+        gateway_listen=args.gateway_listen,
+        gateway_san=args.gateway_san,
+        gateway_url=args.gateway_url,
+        ready_file=Path(args.ready_file) if args.ready_file else None,
+        secret=None if args.role == "gateway" else _secret(),
+        cert_ttl_s=args.cert_ttl_seconds,
+        attestor_settings=_attestor_settings(args),
+        downloads=Path(args.downloads) if args.downloads else None,
+        role=args.role,
+        relay_listen=args.relay_listen,
+        relay_san=args.relay_san,
+        gateway_dir=Path(args.gateway_dir) if args.gateway_dir else None,
+        api_upstreams=args.api_upstream or (),
+        drain_s=args.drain_seconds,
+    )
+
+
+def _attestor_settings(args: argparse.Namespace) -> dict[str, str]:
+    """``--attestor-setting NAME=VALUE`` (repeatable) and the tpm attestor's named flags."""
+    settings: dict[str, str] = {}
+    for item in args.attestor_setting or []:
+        name, sep, value = item.partition("=")
+        if not sep or "." not in name or not name.split(".", 1)[1]:
+            raise ControlError(
+                "INVALID_ARGUMENT", f"--attestor-setting {name!r}: expected ATTESTOR.KEY=VALUE"
+            )
+        settings[name] = value
+    for flag, name in (
+        ("tpm_ek_ca", "tpm.ek_ca"),
+        ("tpm_ek_allow", "tpm.ek_allow"),
+        ("tpm_pool", "tpm.pool"),
+        ("discovery_pool", "discovery.pool"),
+        ("x509pop_ca", "x509pop.ca"),
+    ):
+        value = getattr(args, flag, None)
+        if value:
+            is_file = flag in ("tpm_ek_ca", "tpm_ek_allow", "x509pop_ca")
+            settings[name] = str(Path(value).absolute()) if is_file else value
+    return settings
+
+
+def cmd_migrate(args: argparse.Namespace) -> int:
+    from control.store import open_store
+
+    store = open_store(_db_url(args))
+    try:
+        applied = store.migrate()
+    finally:
+        store.close()
+    print(f"applied migrations: {applied or 'none'}")
+    return 0
+
+
+def cmd_tenants_create(args: argparse.Namespace) -> int:
+    from control import tenancy
+    from control.store import open_store
+
+    out = Path(args.credential_out)
+    if out.exists() or out.is_symlink():
+        raise ControlError(
+            "ALREADY_EXISTS", f"{out} exists; --credential-out never writes over a file"
+        )
+    _home(args).mkdir(parents=True, exist_ok=True, mode=0o700)
+    store = open_store(_db_url(args))
+    written = False
+    try:
+        store.migrate()
+        with store.tx() as tx:
+            tenant_id, credential = tenancy.create_tenant(tx, args.name, root=args.root)
+            try:
+                fs.create_new(out, (credential + "\n").encode("ascii"), 0o600)
+            except FileExistsError as exc:
+                raise ControlError("ALREADY_EXISTS", f"{out} exists") from exc
+            written = True
+    except BaseException:
+        if written:  # the tenant was not created: its credential must not linger
+            fs.remove(out)
+        raise
+    finally:
+        store.close()
+    _emit(args, {"id": tenant_id, "name": args.name, "root": args.root}, f"tenant {tenant_id}")
+    return 0

@@ -1,0 +1,125 @@
+"""The revocation feed under ``trio.testing.MockClock``: a revocation made in the
+store (as by another replica: no poke, no notification) reaches the gateway's
+session within one poll interval of virtual time, without real waiting.
+
+The store takes its time from the same mock clock (:class:`control.clock.TrioClock`),
+so ``revoked_at``, the poller's ``since`` and the session's deadline all move with
+the event loop; the gateway's store calls run on the loop (``offload=inline``), so
+the autojump never runs while a worker thread holds the store.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import trio
+import trio.testing
+from cryptography.hazmat.primitives import serialization
+
+from bcd import pki as bpki
+from bcd import wire
+from control.clock import TrioClock
+from control.gateway import REVOCATION_POLL_S, Gateway, inline
+from control.http import Request, Response, error_response
+from control.joinservice import notice_signer, revoke_node_certs
+from control.pki import Pki
+from control.store import open_store
+from tests.world.joins import machine, make_world
+
+QUIET_S = 5.3  # several polls with nothing to find, ending between two of them
+
+
+def _session_request(node_id: str, der: bytes) -> Request:
+    hello = wire.Hello(node_id=node_id, journal_id="jrn_1", boot_id="", daemon_version="t")
+    return Request(
+        method="POST",
+        path="/v1/session",
+        query={},
+        headers={},
+        body=wire.dumps(hello.to_json()),
+        peer_cert_der=der,
+        remote="127.0.0.1:5000",
+    )
+
+
+async def _pump(stream: Any, send: trio.MemorySendChannel[Any]) -> None:
+    async for chunk in stream:
+        await send.send(chunk)
+    await send.send(None)
+
+
+async def _no_upstream(req: Request) -> Response:
+    return error_response("NOT_FOUND", "no upstream in this test")
+
+
+def test_a_revocation_reaches_the_session_within_one_poll_interval(
+    store_url: str, memory_pki: Pki
+) -> None:
+    mock = trio.testing.MockClock(autojump_threshold=0)
+    store = open_store(store_url, clock=TrioClock(mock, int(time.time() * 1000)))
+    store.migrate()
+    world = make_world(store, memory_pki)
+    joined = world.join(world.body(world.mint(), machine(1)))
+    node_id = joined["node_id"]
+    leaf = bpki.load_pem_chain(joined["chain"])[0]
+    der = leaf.public_bytes(serialization.Encoding.DER)
+    serial = format(leaf.serial_number, "x")
+    seen: dict[str, Any] = {}
+
+    async def main() -> None:
+        gateway = Gateway(
+            store,
+            upstream=_no_upstream,
+            limiter=trio.CapacityLimiter(4),
+            ping_interval_s=3_600.0,
+            offload=inline,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gateway.revocation_poller)
+            response = await gateway.handle(_session_request(node_id, der))
+            assert response.status == 200
+            assert response.stream is not None
+            # read as the HTTP layer does, in a task of its own (the stream's cancel
+            # scopes span its yields); None marks its end
+            send, lines = trio.open_memory_channel[Any](16)
+            nursery.start_soon(_pump, response.stream, send)
+            assert json.loads(await lines.receive())["type"] == "welcome"
+            await trio.sleep(QUIET_S)  # the polls run, and find nothing to send
+            with store.tx() as tx:  # another replica revokes: nobody pokes this gateway
+                revoke_node_certs(
+                    tx,
+                    world.tenant,
+                    node_id,
+                    "operator",
+                    notice_signer(memory_pki.join_signing_key),
+                )
+            revoked_at = trio.current_time()
+            with trio.fail_after(10 * REVOCATION_POLL_S):
+                line = json.loads(await lines.receive())
+            seen["after_s"] = trio.current_time() - revoked_at
+            seen["line"] = line
+            with trio.fail_after(1):  # the stream ends after the notice
+                seen["more"] = await lines.receive()
+            # and the gateway's decision on the certificate is now UNAUTHENTICATED
+            again = await gateway.handle(_session_request(node_id, der))
+            seen["again"] = (again.status, json.loads(again.body))
+            nursery.cancel_scope.cancel()
+
+    started = time.monotonic()
+    trio.run(main, clock=mock)
+    real_s = time.monotonic() - started
+    store.close()
+
+    assert 0 < seen["after_s"] <= REVOCATION_POLL_S
+    assert real_s < QUIET_S  # virtual time passed; the test did not wait it out
+    line = seen["line"]
+    assert (line["type"], line["serial"], line["reason"]) == ("revocation", serial, "operator")
+    notice = wire.verify_revocation_notice(line["notice"], world.signing_pin, node_id, [serial])
+    assert notice.serial == serial
+    assert seen["more"] is None
+    status, body = seen["again"]
+    assert status == 401
+    assert body["code"] == "UNAUTHENTICATED"
+    assert body["notice"] == line["notice"]
