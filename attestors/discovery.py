@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from bcd import hardware, wire
-from bcd.plugins import (
+from bcd.attestor_api import (
     Admit,
     Defer,
     NodeEvidence,
@@ -91,6 +91,14 @@ def check_settings(settings: Mapping[str, str]) -> str | None:
 @hookimpl
 def bcd_attestor_names() -> list[str]:
     return [DISCOVERY]
+
+
+@hookimpl
+def bcd_server_check_settings(attestor: str, settings: Mapping[str, str]) -> list[str] | None:
+    if attestor != DISCOVERY:
+        return None
+    problem = check_settings(settings)
+    return [] if problem is None else [problem]
 
 
 @hookimpl

@@ -9,8 +9,7 @@ revocation, expiry at ``compute_now()``, uses left and role, and consume one use
 from __future__ import annotations
 
 from bcd import wire
-from bcd.errors import CredentialError
-from bcd.plugins import (
+from bcd.attestor_api import (
     JOIN_TOKEN,
     Admit,
     NodeEvidence,
@@ -20,6 +19,7 @@ from bcd.plugins import (
     Verdict,
     hookimpl,
 )
+from bcd.errors import CredentialError
 
 
 @hookimpl

@@ -23,7 +23,7 @@ the AK certifies the CSR's key over sha256(csr). Then it admits into the pool
 with the same EK and AK reclaims its node).
 
 With enrollment (``tpm.enrollment=true``), an EK that is on no allow-list and does
-not chain is not refused: the answer is a :class:`~bcd.plugins.Defer`, a join request
+not chain is not refused: the answer is a :class:`~bcd.attestor_api.Defer`, a join request
 keyed by the EK hash that a person approves or rejects. Once approved (for the CSR
 the request recorded), the retry gets the same challenge round, and its admission
 spends the approval (``join_request_id``) in the join transaction.
@@ -39,6 +39,7 @@ import base64
 import hashlib
 import hmac
 import secrets
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -52,8 +53,7 @@ from cryptography.x509.verification import (
 )
 
 from bcd import pki, wire
-from bcd.errors import BcdError
-from bcd.plugins import (
+from bcd.attestor_api import (
     Admit,
     Challenge,
     Defer,
@@ -64,6 +64,7 @@ from bcd.plugins import (
     Verdict,
     hookimpl,
 )
+from bcd.errors import BcdError
 from bcd.tpm import TpmError
 from bcd.tpm.attestation import ak_statement
 from bcd.tpm.structures import name_of
@@ -100,6 +101,31 @@ def _enc(data: bytes) -> str:
 @hookimpl
 def bcd_attestor_names() -> list[str]:
     return [TPM]
+
+
+@hookimpl
+def bcd_server_check_settings(attestor: str, settings: Mapping[str, str]) -> list[str] | None:
+    """At serve's start, not at the first join: the EK CA bundle and allow-list must be
+    readable, and either needs a pool."""
+    if attestor != TPM:
+        return None
+    ca = settings.get(SETTING_EK_CA)
+    if ca:
+        try:
+            certs = x509.load_pem_x509_certificates(Path(ca).read_bytes())
+        except (OSError, ValueError):
+            return [f"--tpm-ek-ca {ca}: not a readable PEM certificate bundle"]
+        if not certs:  # pragma: no cover - load_pem_x509_certificates refuses an empty file
+            return [f"--tpm-ek-ca {ca}: no certificate"]
+    allow = settings.get(SETTING_EK_ALLOW)
+    if allow:
+        try:
+            Path(allow).read_text(encoding="utf-8")
+        except (OSError, ValueError):
+            return [f"--tpm-ek-allow {allow}: not readable"]
+    if (ca or allow) and not settings.get(SETTING_POOL):
+        return ["the tpm attestor needs --tpm-pool POOL"]
+    return []
 
 
 # --- node half ---------------------------------------------------------------------

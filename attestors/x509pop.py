@@ -46,7 +46,7 @@ this attestor for this very leaf (``challenge-unknown``), for this CSR
 (``challenge-csr``), unused (``challenge-used``), unexpired (``challenge-expired``),
 the nonce's hash matches (constant time) and the signature verifies under the
 leaf's key (``pop-invalid``); the challenge is consumed, and the verdict is an
-:class:`~bcd.plugins.Admit` re-joining THAT node (``node_id``): JoinService keeps
+:class:`~bcd.attestor_api.Admit` re-joining THAT node (``node_id``): JoinService keeps
 its id, raises its identity generation, revokes its older certificates
 (``rejoined``) and keeps the role and allowed kinds of the presented certificate
 and the node's pool. JoinService's pool rules still apply (a pool whose
@@ -81,8 +81,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.verification import PolicyBuilder, Store, VerificationError
 
 from bcd import pki, wire
-from bcd.errors import BcdError
-from bcd.plugins import (
+from bcd.attestor_api import (
     Admit,
     Challenge,
     NodeCertRecord,
@@ -93,6 +92,7 @@ from bcd.plugins import (
     Verdict,
     hookimpl,
 )
+from bcd.errors import BcdError
 
 log = logging.getLogger("attestors.x509pop")
 
@@ -226,6 +226,17 @@ def check_settings(settings: Mapping[str, str]) -> None:
 @hookimpl
 def bcd_attestor_names() -> list[str]:
     return [X509POP]
+
+
+@hookimpl
+def bcd_server_check_settings(attestor: str, settings: Mapping[str, str]) -> list[str] | None:
+    if attestor != X509POP:
+        return None
+    try:
+        check_settings(settings)
+    except ValueError as exc:
+        return [str(exc)]
+    return []
 
 
 @hookimpl

@@ -15,12 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import trio
-from cryptography import x509
 
-from attestors.discovery import check_settings as check_discovery_settings
 from bcd import fs
 from bcd.pki import cert_pem
-from bcd.plugins import load_plugins
+from bcd.plugins import Plugins, load_plugins
 from bcd.systemd import notify, under_journald
 from control import gatewaypki, pki, relay, retention, revocations
 from control.api import App
@@ -49,36 +47,12 @@ def join_crypto(loaded: pki.Pki, cert_ttl_s: int = CERT_TTL_MAX_S) -> JoinCrypto
     )
 
 
-def check_tpm_settings(settings: Mapping[str, str]) -> None:
-    """Fail at start, not at the first join, when the tpm attestor's files are unusable."""
-    ca = settings.get("tpm.ek_ca")
-    if ca:
-        try:
-            certs = x509.load_pem_x509_certificates(Path(ca).read_bytes())
-        except (OSError, ValueError) as exc:
-            raise ControlError(
-                "INVALID_CONFIG", f"--tpm-ek-ca {ca}: not a readable PEM certificate bundle"
-            ) from exc
-        if not certs:  # pragma: no cover - load_pem_x509_certificates refuses an empty file
-            raise ControlError("INVALID_CONFIG", f"--tpm-ek-ca {ca}: no certificate")
-    allow = settings.get("tpm.ek_allow")
-    if allow:
-        try:
-            Path(allow).read_text(encoding="utf-8")
-        except (OSError, ValueError) as exc:
-            raise ControlError("INVALID_CONFIG", f"--tpm-ek-allow {allow}: not readable") from exc
-    if (ca or allow) and not settings.get("tpm.pool"):
-        raise ControlError("INVALID_CONFIG", "the tpm attestor needs --tpm-pool POOL")
-
-
-def check_x509pop_settings(settings: Mapping[str, str]) -> None:
-    """Fail at start when x509pop's CA bundle or its max_expired_s is unusable."""
-    from attestors.x509pop import check_settings
-
-    try:
-        check_settings(settings)
-    except ValueError as exc:
-        raise ControlError("INVALID_CONFIG", str(exc)) from exc
+def check_attestor_settings(plugins: Plugins, settings: Mapping[str, str]) -> None:
+    """Fail at start, not at the first join, when an attestor's settings are unusable:
+    each loaded attestor checks its own (``bcd_server_check_settings``)."""
+    problems = plugins.server_settings_problems(settings)
+    if problems:
+        raise ControlError("INVALID_CONFIG", problems[0])
 
 
 def _split(listen: str) -> tuple[str, int]:
@@ -267,22 +241,20 @@ def _api_parts(
         raise ControlError("INVALID_CONFIG", str(exc)) from exc
     crypto = join_crypto(loaded, cert_ttl_s)
     settings = dict(attestor_settings or {})
-    check_tpm_settings(settings)
-    check_x509pop_settings(settings)
-    discovery_problem = check_discovery_settings(settings)
-    if discovery_problem is not None:
-        raise ControlError("INVALID_CONFIG", discovery_problem)
-    store = open_store(db_url, max_size=12)
-    store.migrate()
     plugins = load_plugins()
     for failure in plugins.failures:
         log.warning("attestor plugin %s did not load: %s", failure.name, failure.error)
+    check_attestor_settings(plugins, settings)
+    store = open_store(db_url, max_size=12)
+    store.migrate()
     gateway_doc = None
     if gateway_url:
         gateway_doc = {
             "url": gateway_url,
             "serverName": gateway_san,
             "servingCaPin": loaded.pins()["serving_ca_spki_pin"],
+            # the node's only TLS trust anchor (bcd.servingca), checked against the pin
+            "servingCaPem": cert_pem(loaded.serving_ca),
         }
     # the tenant API has threads (and connections) of its own, so a flood of node calls
     # cannot keep an operator from revoking a node, nor the other way round

@@ -22,11 +22,27 @@ compiled from source, so an arm64 artifact must be built on an arm64 machine wit
 ``make`` (docs/installing.md). ``--extra-python 3.12`` (repeatable) adds the
 version-specific native modules (cffi's backend) for another CPython from PyPI's
 wheels of the same versions: the one option that needs the network.
+
+``--with DIST`` (repeatable) bundles a further distribution beside bcd's own, such as
+a third party's attestor plugin: a wheel, or a directory with a ``pyproject.toml``
+that is built into one here (``pip wheel --no-deps --no-build-isolation --no-index``
+in a copy of the directory, with this venv's setuptools: no network). Its files go
+into ``lib/`` with its ``dist-info`` (so bcd finds its entry points), it is listed in
+the manifest, and it must fit: every requirement it has is met by what the artifact
+holds, it overwrites no file of another distribution, and it is pure Python or built
+for this machine (its native modules narrow ``python_tags`` like cffi's). As the
+launcher puts ``lib/`` first on ``sys.path`` of processes that run as root, it must
+not shadow a module either: none of its top-level names (a package, or a module's
+name before its first dot) may be another bundled distribution's or the standard
+library's (``sys.stdlib_module_names``), it ships no ``.pth`` file and no name with a
+backslash, and it registers no ``bcd.attestors`` entry point a bundled distribution
+already registers.
 """
 
 from __future__ import annotations
 
 import argparse
+import email.parser
 import hashlib
 import importlib.metadata as md
 import io
@@ -34,13 +50,16 @@ import json
 import os
 import platform
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import tomllib
 import zipfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
+from typing import NoReturn
 
 from packaging.requirements import Requirement
 
@@ -54,6 +73,11 @@ EPOCH = (1980, 1, 1, 0, 0, 0)
 UNITS = ("bcd.service", "bcd-helper.service", "bcd-join.service")
 VERSION_RE = re.compile(r"^[0-9]+\.[0-9]+\.[0-9]+(?:[.+-][0-9A-Za-z.]+)?$")
 _NATIVE_TAG = re.compile(r"\.cpython-(\d+)-[^/]*\.so$")
+_WHEEL_NAME = re.compile(
+    r"^(?P<name>[^-]+)-(?P<version>[^-]+)(-\d[^-]*)?-[^-]+-[^-]+-(?P<plat>[^-]+)\.whl$"
+)
+_STARTUP_HOOKS = frozenset({"sitecustomize", "usercustomize"})
+_NOT_COPIED = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__", ".git", ".venv")
 
 
 class BuildError(Exception):
@@ -185,8 +209,178 @@ def _extra_native(dist: md.Distribution, python: str, cache: Path) -> dict[str, 
     return out
 
 
+@dataclass(frozen=True)
+class Extra:
+    """A distribution ``--with`` adds: its name, version, requirements and files
+    (``lib/``-relative names to bytes, RECORD left out as for the others)."""
+
+    name: str
+    version: str
+    requires: tuple[str, ...]
+    files: dict[str, bytes]
+
+
+def wheel_of(source: Path, work: Path) -> Path:
+    """``source`` itself when it is a wheel, else the wheel built from the directory."""
+    if source.is_file() and source.suffix == ".whl":
+        return source
+    if not (source / "pyproject.toml").is_file():
+        raise BuildError(
+            f"--with {source}: neither a wheel (.whl) nor a directory with a pyproject.toml"
+        )
+    copy = work / "src"
+    shutil.copytree(source, copy, ignore=_NOT_COPIED)  # the source tree stays untouched
+    out = work / "wheel"
+    done = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--wheel-dir", str(out), str(copy)],
+        capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    wheels = sorted(out.glob("*.whl")) if done.returncode == 0 else []
+    if len(wheels) != 1:
+        why = (done.stderr.strip().splitlines() or ["no wheel"])[-1]
+        raise BuildError(f"--with {source}: cannot build a wheel: {why}")
+    return wheels[0]
+
+
+def read_wheel(wheel: Path, source: Path | str | None = None) -> Extra:
+    """The distribution in ``wheel``, checked to be installable into ``lib/`` here."""
+    shown = source or wheel
+    m = _WHEEL_NAME.match(wheel.name)
+    if not m:
+        raise BuildError(f"--with {shown}: {wheel.name} is not a wheel's file name")
+    plat = m.group("plat")
+    machine = {"amd64": "x86_64", "arm64": "aarch64"}[host_arch()]
+    if plat != "any" and not all(p.endswith(machine) and "linux" in p for p in plat.split(".")):
+        raise BuildError(f"--with {shown}: built for {plat}, not linux {machine}")
+    files: dict[str, bytes] = {}
+    metadata = b""
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            for member in sorted(zf.namelist()):
+                if member.endswith("/"):
+                    continue
+                parts = PurePosixPath(member).parts
+                if ".." in parts or member.startswith("/"):
+                    raise BuildError(f"--with {shown}: a path outside the wheel: {member}")
+                if "\\" in member:
+                    raise BuildError(f"--with {shown}: a name with a backslash: {member}")
+                if member.endswith(".pth"):
+                    raise BuildError(
+                        f"--with {shown}: holds {member} (a .pth file), "
+                        "which the artifact does not install"
+                    )
+                if parts[0].endswith(".data"):
+                    if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                        raise BuildError(
+                            f"--with {shown}: holds {member} (scripts, data or headers), "
+                            "which the artifact does not install"
+                        )
+                    parts = parts[2:]
+                name = str(PurePosixPath(*parts))
+                if parts[0].endswith(".dist-info") and parts[-1] == "METADATA":
+                    metadata = zf.read(member)
+                if (
+                    name.endswith(("/RECORD", "/INSTALLER", "/direct_url.json"))
+                    or "__pycache__" in parts
+                ):
+                    continue
+                files[f"lib/{name}"] = zf.read(member)
+    except (OSError, zipfile.BadZipFile) as exc:
+        raise BuildError(f"--with {shown}: not a readable wheel: {exc}") from exc
+    meta = email.parser.BytesParser().parsebytes(metadata)
+    if not meta.get("Name") or not meta.get("Version"):
+        raise BuildError(f"--with {shown}: the wheel has no METADATA with a Name and Version")
+    requires = tuple(meta.get_all("Requires-Dist") or ())
+    return Extra(str(meta["Name"]), str(meta["Version"]), requires, files)
+
+
+def top_level_names(files: dict[str, bytes]) -> set[str]:
+    """The names ``files`` (``lib/``-relative) make importable from ``lib/``: each
+    top-level package, and each top-level module up to its first dot (``ssl.py``,
+    ``ssl.abi3.so``: ``ssl``); dist-info directories left out."""
+    names = set()
+    for name in files:
+        parts = PurePosixPath(name).parts
+        if len(parts) < 2 or parts[0] != "lib" or parts[1].endswith(".dist-info"):
+            continue
+        names.add(parts[1] if len(parts) > 2 else parts[1].split(".", 1)[0])
+    return names
+
+
+class _Metadata(md.Distribution):
+    """One dist-info of ``files``, read through importlib.metadata's own parsers."""
+
+    def __init__(self, files: dict[str, bytes], dist_info: str) -> None:
+        self._files = files
+        self._prefix = f"{dist_info}/"
+
+    def read_text(self, filename: str) -> str | None:
+        data = self._files.get(self._prefix + filename)
+        return None if data is None else data.decode("utf-8", "replace")
+
+    def locate_file(self, path: object) -> NoReturn:
+        raise NotImplementedError("an artifact's dist-info has no files on disk")
+
+
+def attestor_entry_points(files: dict[str, bytes]) -> dict[str, str]:
+    """The ``bcd.attestors`` entry points the dist-infos in ``files`` register:
+    entry point name -> distribution name."""
+    found: dict[str, str] = {}
+    infos = {str(PurePosixPath(n).parent) for n in files if n.endswith(".dist-info/METADATA")}
+    for info in sorted(infos):
+        dist = _Metadata(files, info)
+        name = dist.metadata["Name"] or PurePosixPath(info).name
+        try:
+            eps = dist.entry_points.select(group="bcd.attestors")
+        except ValueError as exc:
+            raise BuildError(f"{name}: an unreadable entry_points.txt: {exc}") from exc
+        for ep in eps:
+            found.setdefault(ep.name, name)
+    return found
+
+
+def _check_shadowing(extra: Extra, bundled: dict[str, bytes]) -> None:
+    """``extra`` shadows no module of another bundled distribution or of the standard
+    library (``lib/`` comes first on the launcher's ``sys.path``), and registers no
+    attestor another bundled distribution registers."""
+    taken = top_level_names(bundled)
+    for top in sorted(top_level_names(extra.files)):
+        if top in taken:
+            raise BuildError(
+                f"--with {extra.name}: its top-level name {top} is another distribution's"
+            )
+        if top in sys.stdlib_module_names or top in _STARTUP_HOOKS:
+            raise BuildError(
+                f"--with {extra.name}: its top-level name {top} would shadow the standard library's"
+            )
+    registered = attestor_entry_points(bundled)
+    for name in sorted(attestor_entry_points(extra.files)):
+        if name in registered:
+            raise BuildError(
+                f"--with {extra.name}: attestor {name} is already registered by {registered[name]}"
+            )
+
+
+def _check_requirements(extra: Extra, held: dict[str, str]) -> None:
+    """Every requirement of ``extra`` is met by a distribution the artifact holds."""
+    versions = {_norm(name): version for name, version in held.items()}
+    for line in extra.requires:
+        req = Requirement(line)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue
+        have = versions.get(_norm(req.name))
+        if have is None:
+            raise BuildError(
+                f"--with {extra.name}: requires {req.name}, which the artifact does not hold "
+                f"(add it with --with)"
+            )
+        if not req.specifier.contains(have, prereleases=True):
+            raise BuildError(f"--with {extra.name}: requires {req}, the artifact holds {have}")
+
+
 def collect(
-    version: str, extra_pythons: tuple[str, ...] = ()
+    version: str, extra_pythons: tuple[str, ...] = (), extras: tuple[Extra, ...] = ()
 ) -> tuple[dict[str, bytes], dict[str, str], list[str]]:
     """Every file of the artifact (name -> bytes), the distributions' versions, and the
     CPython tags every version-specific native module is there for ([] = any)."""
@@ -214,6 +408,22 @@ def collect(
             files[f"lib/{name}"] = data
     for name, data in _dist_info(version).items():
         files[f"lib/{name}"] = data
+    for extra in extras:
+        if _norm(extra.name) in {_norm(n) for n in dists}:
+            raise BuildError(f"--with {extra.name}: the artifact already holds {extra.name}")
+        clash = sorted(set(extra.files) & set(files))
+        if clash:
+            raise BuildError(
+                f"--with {extra.name}: would overwrite {clash[0]} of another distribution"
+            )
+        _check_shadowing(extra, files)
+        files.update(extra.files)
+        dists[extra.name] = extra.version
+        own = set(python_tags(list(extra.files)))
+        if own:
+            tags = own if tags is None else tags & own
+    for extra in extras:
+        _check_requirements(extra, dists)
     for unit in UNITS:
         files[f"share/systemd/{unit}"] = (REPO / "systemd" / unit).read_bytes()
     files["share/tmpfiles.d/bcd.conf"] = (REPO / "systemd" / "bcd.tmpfiles.conf").read_bytes()
@@ -246,8 +456,10 @@ def build(
     version: str | None = None,
     arch: str | None = None,
     extra_pythons: tuple[str, ...] = (),
+    with_dists: tuple[Path, ...] = (),
 ) -> Artifact:
-    """Write ``out/bcd/<version>/linux-<arch>`` and its ``.sha256``."""
+    """Write ``out/bcd/<version>/linux-<arch>`` and its ``.sha256``; ``with_dists`` are
+    further distributions to bundle (wheels, or directories with a pyproject.toml)."""
     here = host_arch()
     arch = arch or here
     if arch not in ("amd64", "arm64"):
@@ -260,7 +472,12 @@ def build(
     version = version or _project_version()
     if not VERSION_RE.match(version):
         raise BuildError(f"--version {version!r} is not a version like 1.2.3")
-    files, dists, tags = collect(version, extra_pythons)
+    extras = []
+    with tempfile.TemporaryDirectory(prefix="bcd-artifact-") as work:
+        for i, source in enumerate(with_dists):
+            (Path(work) / str(i)).mkdir()
+            extras.append(read_wheel(wheel_of(source, Path(work) / str(i)), source))
+    files, dists, tags = collect(version, extra_pythons, tuple(extras))
     manifest = {
         "name": "bcd",
         "version": version,
@@ -299,6 +516,15 @@ def main(argv: list[str] | None = None) -> int:
         help="also run on CPython 3.X: add the version-specific native modules (cffi's) "
         "from PyPI's wheels of the same versions (needs the network; repeatable)",
     )
+    parser.add_argument(
+        "--with",
+        dest="with_dists",
+        action="append",
+        default=[],
+        metavar="DIST",
+        help="also bundle this distribution (a wheel, or a directory with a pyproject.toml), "
+        "e.g. a third party's attestor plugin (repeatable)",
+    )
     args = parser.parse_args(argv)
     try:
         built = build(
@@ -306,6 +532,7 @@ def main(argv: list[str] | None = None) -> int:
             version=args.version,
             arch=args.arch,
             extra_pythons=tuple(args.extra_python),
+            with_dists=tuple(Path(d) for d in args.with_dists),
         )
     except BuildError as exc:
         print(f"build_artifact: {exc}", file=sys.stderr)

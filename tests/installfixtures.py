@@ -26,10 +26,12 @@ class Built:
         return self.path.name.removeprefix("linux-")
 
 
-def build_artifact(out: Path, version: str) -> Built:
-    """packaging/build_artifact.py --out OUT --version VERSION, as a real process."""
+def build_artifact(out: Path, version: str, *with_dists: Path) -> Built:
+    """packaging/build_artifact.py --out OUT --version VERSION [--with DIST ...], as a
+    real process."""
+    extra = [arg for dist in with_dists for arg in ("--with", str(dist))]
     done = subprocess.run(
-        [sys.executable, str(BUILDER), "--out", str(out), "--version", version],
+        [sys.executable, str(BUILDER), "--out", str(out), "--version", version, *extra],
         capture_output=True,
         text=True,
         timeout=300,

@@ -10,6 +10,7 @@ exactly as it finds an installed one.
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,16 @@ import pytest
 
 from bcd import pki as bpki
 from bcd import wire
+from bcd.attestor_api import hookimpl
 from bcd.doctor import plugins_check
-from bcd.plugins import hookimpl, load_plugins
+from bcd.plugins import load_plugins
 from control import events, tenancy, tokens
 from control.errors import Refused
 from control.joinservice import JoinService
 from control.pki import Pki
 from control.server import join_crypto
 from control.store import Store
-from tests.test_joinservice import join_body, machine
+from tests.world.joins import join_body, machine
 
 BROKEN = "broken-at-import"
 BUILT_IN = ("join-token", "tpm", "serial-allowlist")
@@ -194,3 +196,47 @@ def test_a_server_half_returning_no_verdict_is_a_uniform_refusal(
     with store.tx() as tx:
         assert tx.one("SELECT COUNT(*) AS n FROM nodes") in ({"n": 0}, {"count": 0})
     assert [e["payload"]["reason"] for e in _refusals(store, root)] == ["babbling:plugin-error"]
+
+
+def _distribution(site: Path, dist: str, module: str, entry_point: str) -> None:
+    dist_info = site / f"{dist.replace('-', '_')}-1.0.dist-info"
+    dist_info.mkdir(parents=True)
+    (dist_info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 1.0\n")
+    (dist_info / "entry_points.txt").write_text(f"[bcd.attestors]\n{entry_point} = {module}\n")
+    (site / f"{module}.py").write_text(
+        "from bcd.attestor_api import hookimpl\n"
+        f"WHO = {dist!r}\n"
+        "@hookimpl\n"
+        f"def bcd_attestor_names():\n    return [{entry_point!r}]\n"
+    )
+
+
+def test_an_entry_point_two_distributions_register_is_a_failure_naming_both(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The first by distribution name is loaded, whatever the order on sys.path; the
+    other is reported, by doctor too."""
+    _distribution(tmp_path / "first", "acme-dup-b", "acme_dup_b", "dup-attestor")
+    _distribution(tmp_path / "second", "acme-dup-a", "acme_dup_a", "dup-attestor")
+    monkeypatch.syspath_prepend(str(tmp_path / "second"))
+    monkeypatch.syspath_prepend(str(tmp_path / "first"))  # b comes first on sys.path
+    for module in ("acme_dup_a", "acme_dup_b"):
+        monkeypatch.delitem(sys.modules, module, raising=False)
+    with caplog.at_level(logging.WARNING, logger="bcd.plugins"):
+        plugins = load_plugins()
+
+    assert "dup-attestor" in plugins.names()
+    assert getattr(plugins.owners["dup-attestor"], "WHO", None) == "acme-dup-a"
+    assert "acme_dup_b" not in sys.modules  # the other is never imported
+    (failure,) = plugins.failures
+    assert failure.name == "dup-attestor of acme-dup-b"
+    assert failure.error == (
+        "acme-dup-a and acme-dup-b both register dup-attestor; the one of acme-dup-a "
+        "(the first by distribution name) is loaded"
+    )
+    assert any("acme-dup-b" in r.getMessage() for r in caplog.records)
+    check = plugins_check(plugins)
+    assert check.status == "warn"
+    assert "acme-dup-a and acme-dup-b both register dup-attestor" in check.message
+    for name in BUILT_IN:
+        assert name in plugins.names()

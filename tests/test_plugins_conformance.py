@@ -1,4 +1,4 @@
-"""bcd.plugins_conformance against bcd's attestors, the example third-party one,
+"""bcd.testing.conformance against bcd's attestors, the example third-party one,
 and plugins that break the contract in each way it checks."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import pytest
 
 from attestors import join_token, tpm
 from bcd import wire
-from bcd.plugins import NodeEvidence, PoolRecord, Refuse, hookimpl
-from bcd.plugins_conformance import (
+from bcd.attestor_api import NodeEvidence, PoolRecord, Refuse, hookimpl
+from bcd.testing.conformance import (
     ConformanceContext,
     assert_conforms,
     check_attestor,
@@ -157,3 +157,44 @@ def test_signatures_beyond_the_hookspecs_are_reported() -> None:
     problems = check_attestor(UnknownHook(), "unknown", node=False)
     assert problems[0].startswith("implements a hook bcd does not define: ")
     assert "does not implement bcd_server_verify (server=False for no server half)" in problems
+
+
+class BadChecks:
+    """Settings checks that answer for every name, with something not a list of lines,
+    or with problems for the settings they were given."""
+
+    @hookimpl
+    def bcd_attestor_names(self) -> list[str]:
+        return ["bad-checks"]
+
+    @hookimpl
+    def bcd_node_evidence(self, attestor: str) -> NodeEvidence | None:
+        return NodeEvidence(sealed_token=None, evidence={}) if attestor == "bad-checks" else None
+
+    @hookimpl
+    def bcd_server_verify(self, attestor: str) -> Refuse | None:
+        return Refuse("nope") if attestor == "bad-checks" else None
+
+    @hookimpl
+    def bcd_server_check_settings(self, attestor: str) -> Any:
+        return "fine"  # for every name, and not a list
+
+    @hookimpl
+    def bcd_node_check_settings(self, attestor: str, table: dict[str, Any]) -> list[str] | None:
+        if attestor != "bad-checks":
+            return None
+        return [f"unknown key {key!r}" for key in table]
+
+
+def test_settings_checks_are_checked() -> None:
+    ctx = minimal_node_context(settings={"colour": "blue"})
+    problems = check_attestor(BadChecks(), "bad-checks", node_ctx=ctx)
+    assert problems == [
+        "bcd_server_check_settings returned str for a name it does not own",
+        "bcd_server_check_settings returned 'fine', not a list of str",
+        "bcd_node_check_settings finds problems with the settings it was given: "
+        "[\"unknown key 'colour'\"]",
+    ]
+    assert check_attestor(BadChecks(), "bad-checks", node=False, server=False) == [
+        "bcd_server_check_settings returned str for a name it does not own"
+    ]

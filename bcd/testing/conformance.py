@@ -9,8 +9,11 @@ returns the problems it finds (an empty list when it conforms):
 - ``bcd_attestor_names()`` lists ``name`` (and only strings);
 - no hook raises, and every attestor hook returns ``None``, for a name it does not
   own;
-- the node half (unless ``node=False``) returns a :class:`~bcd.plugins.NodeEvidence`
+- the node half (unless ``node=False``) returns a :class:`~bcd.attestor_api.NodeEvidence`
   for ``name`` whose evidence is a JSON object;
+- the settings checks (``bcd_server_check_settings``, ``bcd_node_check_settings``),
+  when implemented, return ``None`` for a name they do not own and a list of strings
+  for ``name``, empty for the settings given (``settings``, ``node_ctx.settings``);
 - the server half (unless ``server=False``) returns a verdict (``Admit``, ``Refuse``
   or ``Challenge``) for ``name`` with a minimal context, without raising, and the
   verdict is well formed (a refusal reason without the attestor prefix, ``urn:bc:``
@@ -35,7 +38,7 @@ from typing import Any
 import pluggy
 
 from bcd import pki, wire
-from bcd.plugins import (
+from bcd.attestor_api import (
     PROJECT,
     Admit,
     AttestorSpec,
@@ -54,13 +57,14 @@ from bcd.plugins import (
 )
 
 ATTESTOR_HOOKS = ("bcd_node_evidence", "bcd_node_answer", "bcd_server_verify")
+SETTINGS_HOOKS = ("bcd_server_check_settings", "bcd_node_check_settings")
 MAX_ROUNDS = 3
 _NOT_FOUND = object()
 
 
 @dataclass
 class ConformanceContext:
-    """A minimal :class:`~bcd.plugins.ServerJoinContext` held in memory.
+    """A minimal :class:`~bcd.attestor_api.ServerJoinContext` held in memory.
 
     ``tokens``, ``pools``, ``challenges``, ``nodes`` (by hardware key) and ``vouches``
     (by site and MAC) are what the lookups find; ``consumed`` records what the server
@@ -163,7 +167,7 @@ def _call(impl: pluggy.HookImpl, **kwargs: Any) -> Any:
 
 def _spec_problems(pm: pluggy.PluginManager) -> list[str]:
     problems = []
-    for hook in ("bcd_attestor_names", *ATTESTOR_HOOKS):
+    for hook in ("bcd_attestor_names", *ATTESTOR_HOOKS, *SETTINGS_HOOKS):
         spec_args = set(getattr(pm.hook, hook).spec.argnames)
         for impl in _impls(pm, hook):
             extra = [a for a in (*impl.argnames, *impl.kwargnames) if a not in spec_args]
@@ -284,6 +288,40 @@ def check_attestor(
             )
             continue
         problems += _verdict_problems(verdict, request)
+    problems += _settings_problems(pm, name, foreign, node, server, nctx, sctx)
+    return problems
+
+
+def _settings_problems(
+    pm: pluggy.PluginManager,
+    name: str,
+    foreign: str,
+    node: bool,
+    server: bool,
+    nctx: NodeJoinContext,
+    sctx: ServerJoinContext,
+) -> list[str]:
+    """The two settings checks: None for a foreign name; for ``name``, a list of lines,
+    empty for the settings the check was given (``settings``, ``node_ctx.settings``)."""
+    problems: list[str] = []
+    halves = (
+        ("bcd_server_check_settings", server, {"settings": dict(sctx.settings)}),
+        ("bcd_node_check_settings", node, {"table": dict(nctx.settings)}),
+    )
+    for hook, wanted, given in halves:
+        for impl in _impls(pm, hook):
+            _expect_none(problems, impl, hook, attestor=foreign, **given)
+            if not wanted:
+                continue
+            try:
+                found = _call(impl, attestor=name, **given)
+            except Exception as exc:
+                problems.append(f"{hook} raised {type(exc).__name__} for {name!r}")
+                continue
+            if not isinstance(found, list) or not all(isinstance(p, str) for p in found):
+                problems.append(f"{hook} returned {found!r}, not a list of str")
+            elif found:
+                problems.append(f"{hook} finds problems with the settings it was given: {found}")
     return problems
 
 
