@@ -29,8 +29,9 @@ from cryptography.hazmat.primitives.asymmetric import ec, x25519
 
 from bcd import __version__, pki, wire
 from bcd.errors import BcdError
-from bcd.httpclient import request
-from bcd.tls import connect_pinned
+from bcd.gatewayclient import GatewayClient
+from bcd.tls import Anchor, probe_anchor
+from bcd.transport import pinned_transport
 from tests.fakesys import random_mac
 
 PG_URL = os.environ.get("BCD_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -139,6 +140,17 @@ def build_bodies(
 # --- requests to the gateway ----------------------------------------------------------
 
 
+_anchors: dict[tuple[int, str], Anchor] = {}
+
+
+async def serving_anchor(port: int, pin: str) -> Anchor:
+    """The gateway's serving CA, checked against ``pin`` (fetched once, as a node
+    without serving-ca.pem does; a node with the file never probes)."""
+    if (port, pin) not in _anchors:
+        _anchors[(port, pin)] = await probe_anchor(SERVER_NAME, port, SERVER_NAME, pin)
+    return _anchors[(port, pin)]
+
+
 @dataclass
 class Outcome:
     status: int | None = None
@@ -156,18 +168,11 @@ async def post_gateway(
     """One POST as bcd's senders make it: a pinned connection (mutual TLS with
     ``client_cert``: chain PEM, key PEM) per attempt, closed after the answer."""
     try:
-        stream = await connect_pinned(SERVER_NAME, port, SERVER_NAME, pin, client_cert=client_cert)
-        try:
-            resp = await request(
-                stream,
-                "POST",
-                path,
-                SERVER_NAME,
-                body,
-                headers=[("content-type", "application/json")],
-            )
-        finally:
-            await stream.aclose()
+        transport = pinned_transport(SERVER_NAME, await serving_anchor(port, pin), client_cert)
+        async with GatewayClient(
+            transport, host=SERVER_NAME, port=port, server_name=SERVER_NAME
+        ) as client:
+            resp = await client.post(path, body)
     except BcdError as exc:
         return Outcome(error=str(exc))
     return Outcome(resp.status, resp.body)

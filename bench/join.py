@@ -15,7 +15,7 @@ What it measures, per store (SQLite file; PostgreSQL at ``BCD_TEST_PG``, default
    CLI). The bench creates a site, a pool and one join token with ``maxUses=N``,
    then drives N joins over real TLS to the gateway from this process with C
    concurrent trio tasks (default 8), using bcd's own client pieces
-   (``bcd.tls.connect_pinned``, ``bcd.httpclient.request``), one TLS connection per
+   (``bcd.gatewayclient.GatewayClient`` over ``bcd.transport.pinned_transport``), one TLS connection per
    join, as ``bcd join`` does. Each request body is built as ``bcd.join`` builds it
    (fresh P-256 key, CSR, sealed token bound to the CSR, JoinRequest with distinct
    trusted hardware claims) *before* the clock starts: client crypto is not the

@@ -23,7 +23,7 @@ What it measures:
    so no node ever renews twice at once, and each renewal presents the node's
    *current* chain and key, both as the TLS client certificate and in the request,
    as ``bcd.renew.gateway_renew_sender`` does: one mutual-TLS connection per renewal
-   (``bcd.tls.connect_pinned`` with ``client_cert``), ``POST /v1/renew``.
+   (``bcd.transport.pinned_transport`` with ``client_cert``), ``POST /v1/renew``.
 
    Pre-built before the clock starts, for every renewal: the next key, its CSR and
    the proof of possession (``bcd.renew.build_request``; the proof covers the CSR,

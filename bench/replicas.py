@@ -27,7 +27,7 @@ What it measures:
 1. **Joins/s through 1 gateway and through 2.** N joins (``--joins``, default 200)
    per run, driven from this process with C concurrent trio tasks (default 16),
    with bcd's own client pieces as ``bench/join.py`` drives them
-   (``bench.common.join_once``: ``bcd.tls.connect_pinned``, ``bcd.httpclient.request``,
+   (``bench.common.join_once``: ``bcd.gatewayclient.GatewayClient`` over ``bcd.transport.pinned_transport``,
    one TLS connection per join). The bodies are built as ``bcd.join`` builds them
    before the clock starts. Through 2 gateways, join i goes to gateway i mod 2 (a
    round-robin load balancer). The joins use C join tokens (join i uses token
@@ -59,7 +59,7 @@ What it measures:
    renewed nodes of (2), more joined if needed) each open a session from this
    process, node i on gateway i mod 2, as ``bcd.session`` opens it: ``POST
    /v1/session`` over mutual TLS with the node's current certificate, the NDJSON
-   stream read with ``bcd.httpclient.open_lines``. Once every session has had its
+   stream read with ``bcd.gatewayclient.GatewayClient.stream_lines``. Once every session has had its
    welcome, the nodes are revoked one after another through the API replica
    (``control.client.ApiClient``, ``POST /api/compute/v1/tenants/{t}/nodes/{id}/
    revoke-identity``, what ``better-compute nodes revoke-identity`` calls), one
@@ -104,11 +104,11 @@ import trio  # noqa: E402
 
 from bcd import __version__, pki, wire  # noqa: E402
 from bcd.errors import BcdError  # noqa: E402
-from bcd.httpclient import open_lines  # noqa: E402
+from bcd.gatewayclient import GatewayClient  # noqa: E402
 from bcd.identity import LoadedState  # noqa: E402
 from bcd.join import identity_of, verify_joined  # noqa: E402
 from bcd.keys.file import key_to_pem  # noqa: E402
-from bcd.tls import connect_pinned  # noqa: E402
+from bcd.transport import pinned_transport  # noqa: E402
 from bench.common import (  # noqa: E402
     PG_URL,
     SERVER_NAME,
@@ -120,6 +120,7 @@ from bench.common import (  # noqa: E402
     pg_backends_cpu_s,
     print_environment,
     proc_cpu_s,
+    serving_anchor,
 )
 from bench.join import crypto_floor  # noqa: E402
 from bench.renew import (  # noqa: E402
@@ -458,20 +459,14 @@ async def hold_session(
 
     await opening.acquire()
     try:
-        stream = await connect_pinned(
-            SERVER_NAME, port, SERVER_NAME, pin, client_cert=(member.chain, member.key_pem)
-        )
+        anchor = await serving_anchor(port, pin)
+        transport = pinned_transport(SERVER_NAME, anchor, (member.chain, member.key_pem))
+        client = GatewayClient(transport, host=SERVER_NAME, port=port, server_name=SERVER_NAME)
         try:
-            status, _headers, lines = await open_lines(
-                stream,
-                "POST",
-                "/v1/session",
-                SERVER_NAME,
-                wire.dumps(hello.to_json()),
-                headers=[("content-type", "application/json")],
-                idle_timeout=None,
-            )
-            try:
+            async with client.stream_lines(
+                "POST", "/v1/session", wire.dumps(hello.to_json()), idle_timeout=None
+            ) as lines:
+                status = lines.status
                 if status != 200:
                     first = b"".join([line async for line in lines])
                     s.error = f"session refused: HTTP {status}: {first[:120]!r}"
@@ -486,10 +481,8 @@ async def hold_session(
                         s.arrived = time.perf_counter()
                         return
                 s.error = "the stream ended without a revocation"
-            finally:
-                await lines.aclose()
         finally:
-            await trio.aclose_forcefully(stream)
+            await client.aclose()
     except BcdError as exc:
         s.error = f"session: {exc}"
     finally:

@@ -21,8 +21,8 @@ are wall time (``time.perf_counter``) of sequential calls: no concurrency.
    - *token, file key*: ``bench/join.py``'s path, one request: a fresh P-256 key
      (``bcd.keys.file.generate_file_key``), then ``join`` (CSR, sealed token,
      distinct hardware claims per join, verify the answer);
-   - *tpm*: ``bcd join --attestor tpm`` as ``bcd.cli`` does it: the node key made
-     in the TPM (``bcd.cli._tpm_node_key``: a new record, the key derived, pinned,
+   - *tpm*: ``bcd join --attestor tpm`` as ``bcd.joinplan`` does it: the node key made
+     in the TPM (``bcd.joinplan._tpm_node_key``: a new record, the key derived, pinned,
      derived again, the CSR signed by the TPM), then ``join``: the evidence (EK
      kind, EK certificate from NV, EK and AK public areas), the gateway's
      JoinChallenge (MakeCredential), ActivateCredential and TPM2_Certify of the node
@@ -108,15 +108,16 @@ from cryptography.hazmat.primitives.asymmetric.utils import Prehashed  # noqa: E
 import bcd.renew  # noqa: E402
 import bcd.tpm.device  # noqa: E402
 from bcd import pki, wire  # noqa: E402
-from bcd.cli import _tpm_node_key  # noqa: E402
+from bcd.attestor_api import JOIN_TOKEN  # noqa: E402
 from bcd.config import Config, HelperConfig, TpmConfig, render_config  # noqa: E402
 from bcd.helper.client import HelperClient  # noqa: E402
 from bcd.helper.nodekeys import HelperKeys  # noqa: E402
 from bcd.identity import AnyState, LoadedTpmState, persist_join  # noqa: E402
 from bcd.join import join  # noqa: E402
+from bcd.joinplan import _tpm_node_key  # noqa: E402
 from bcd.keys.file import generate_file_key, key_to_pem  # noqa: E402
 from bcd.node import load_identity  # noqa: E402
-from bcd.plugins import JOIN_TOKEN, Plugins, load_plugins  # noqa: E402
+from bcd.plugins import Plugins, load_plugins  # noqa: E402
 from bcd.renew import build_request, gateway_renew_sender, renew_once  # noqa: E402
 from bcd.tpm.ak import ak_public, certify  # noqa: E402
 from bcd.tpm.nodekey import (  # noqa: E402
@@ -137,7 +138,7 @@ from bench.renew import Member, join_members, prepare_steps, renew_next  # noqa:
 from control.renewal import RENEWALS_PER_HOUR  # noqa: E402
 from tests.e2e import BIN, ControlPlane, cli_env, make_pki  # noqa: E402
 from tests.swtpm import QUIET_TSS2_LOG, SwTpm, missing_tools  # noqa: E402
-from tests.test_e2e_tpm import _start as start_tpm_control_plane  # noqa: E402
+from tests.world import E2EWorld  # noqa: E402
 
 WARMUP = 2
 TPM_ATTESTOR = "tpm"
@@ -670,7 +671,7 @@ def print_joins(token_run: JoinRun, tpm_run: JoinRun) -> None:
     print(f"  tpm join (2 requests, TPM for all):    {ms_summary(tpm_run.total)}")
     print(
         f"    of which the key in the TPM + CSR:   {ms_summary(tpm_run.key)}  "
-        "(bcd.cli._tpm_node_key: derive, pin, derive, sign)"
+        "(bcd.joinplan._tpm_node_key: derive, pin, derive, sign)"
     )
     print(
         f"    TPM's share (inside bcd.tpm calls):  {ms_summary(tpm_run.tpm)}  "
@@ -838,7 +839,8 @@ def main(argv: list[str] | None = None) -> int:
             make_pki(template)
             cp_root = tmp / "cp-root"
             cp_root.mkdir()
-            cp, site, pool = start_tpm_control_plane(cp_root, template, swtpm.ca_bundle)
+            # stopped below (cp.stop()), not by the world
+            cp, site, pool = E2EWorld(cp_root, template).tpm_plane(swtpm.ca_bundle)
             try:
                 pins = cp.pins()
                 token_run, tpm_run = run_joins(cp, site, pool, tmp, swtpm.tcti, args.joins)

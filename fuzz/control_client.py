@@ -21,10 +21,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import httpx  # noqa: E402
 import trio  # noqa: E402
 
 from bcd import wire  # noqa: E402
-from bcd.httpclient import request  # noqa: E402
 from bench.common import join_once  # noqa: E402
 from fuzz.world import join_body  # noqa: E402
 
@@ -34,17 +34,11 @@ CALL_TIMEOUT_S = 20.0
 async def api_call(
     api: str, method: str, path: str, credential: str | None, body: dict[str, Any] | None
 ) -> tuple[int, bytes]:
-    host, port = api.removeprefix("http://").rsplit(":", 1)
-    stream = await trio.open_tcp_stream(host, int(port))
-    try:
-        headers = [("authorization", f"Bearer {credential}")] if credential else []
-        data = json.dumps(body).encode() if body is not None else None
-        resp = await request(
-            stream, method, path, host, data, headers=headers, timeout=CALL_TIMEOUT_S
-        )
-        return resp.status, resp.body
-    finally:
-        await stream.aclose()
+    headers = {"authorization": f"Bearer {credential}"} if credential else {}
+    data = json.dumps(body).encode() if body is not None else None
+    async with httpx.AsyncClient(trust_env=False, timeout=CALL_TIMEOUT_S) as client:
+        resp = await client.request(method, api + path, content=data, headers=headers)
+    return resp.status_code, resp.content
 
 
 async def timed(fn: Any, *args: Any) -> tuple[float, Any, str | None]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
@@ -11,6 +12,7 @@ from pathlib import Path
 import psycopg
 import pytest
 
+from control.clock import ManualClock
 from control.store import Store, open_store
 
 PG_URL = os.environ.get("BCD_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -50,8 +52,17 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
 
 
 @pytest.fixture
-def store(store_url: str) -> Iterator[Store]:
-    s = open_store(store_url)
+def clock() -> ManualClock:
+    """The control plane's clock for a test about time: it starts at the real time and
+    moves only with ``clock.advance(ms)``. A test that asks for it gets a ``store``
+    (and so a world) that reads ``compute_now()`` from it instead of the database."""
+    return ManualClock(int(time.time() * 1000))
+
+
+@pytest.fixture
+def store(store_url: str, request: pytest.FixtureRequest) -> Iterator[Store]:
+    injected = request.getfixturevalue("clock") if "clock" in request.fixturenames else None
+    s = open_store(store_url, clock=injected)
     s.migrate()
     try:
         yield s
@@ -66,6 +77,33 @@ def memory_pki():  # type: ignore[no-untyped-def]
     return build_pki("td.example", datetime.now(UTC))
 
 
+@pytest.fixture
+def world(store: Store, memory_pki):  # type: ignore[no-untyped-def]
+    """JoinService in process (:class:`tests.world.joins.World`): the root tenant, a
+    tenant with a site and a pool, on SQLite and on PostgreSQL."""
+    from tests.world.joins import make_world
+
+    return make_world(store, memory_pki)
+
+
+@pytest.fixture
+def env(store: Store, memory_pki):  # type: ignore[no-untyped-def]
+    """RenewService in process (:class:`tests.world.renewals.Env`): nodes made by real
+    joins, renewing as bcd does, on SQLite and on PostgreSQL."""
+    from tests.world.renewals import make_env
+
+    return make_env(store, memory_pki)
+
+
+@pytest.fixture
+def tw(store: Store, memory_pki, swtpm):  # type: ignore[no-untyped-def]
+    """The tpm attestor in process (:class:`tests.world.joins.TpmWorld`) on the session's
+    swtpm."""
+    from tests.world.joins import make_tpm_world
+
+    return make_tpm_world(store, memory_pki, swtpm)
+
+
 @pytest.fixture(scope="session")
 def pki_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tests.e2e import make_pki
@@ -76,29 +114,27 @@ def pki_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def control_plane(store_url: str, tmp_path: Path, pki_template: Path):  # type: ignore[no-untyped-def]
-    from tests.e2e import ControlPlane
+def e2e(tmp_path: Path, pki_template: Path):  # type: ignore[no-untyped-def]
+    """The end-to-end world (:class:`tests.world.E2EWorld`): whatever a test starts
+    through it (control planes, fleets, its own swtpm) stops at teardown."""
+    from tests.world import E2EWorld
 
-    home = tmp_path / "cp"
-    home.mkdir()
-    cp = ControlPlane.start(home, pki_template, store_url)
+    w = E2EWorld(tmp_path, pki_template)
     try:
-        yield cp
+        yield w
     finally:
-        cp.stop()
+        w.close()
 
 
 @pytest.fixture
-def sqlite_control_plane(tmp_path: Path, pki_template: Path):  # type: ignore[no-untyped-def]
-    from tests.e2e import ControlPlane
+def control_plane(store_url: str, e2e):  # type: ignore[no-untyped-def]
+    """One ``better-compute serve`` on SQLite and on PostgreSQL."""
+    return e2e.control_plane(store_url)
 
-    home = tmp_path / "cp"
-    home.mkdir()
-    cp = ControlPlane.start(home, pki_template, f"sqlite:///{tmp_path / 'store.db'}")
-    try:
-        yield cp
-    finally:
-        cp.stop()
+
+@pytest.fixture
+def sqlite_control_plane(e2e):  # type: ignore[no-untyped-def]
+    return e2e.control_plane()
 
 
 @pytest.fixture(scope="session")
@@ -121,6 +157,20 @@ def swtpm(tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-
             yield tpm
         finally:
             tpm.stop()
+
+
+@pytest.fixture
+def own_swtpm(swtpm, e2e):  # type: ignore[no-untyped-def]
+    """A swtpm of this test's own: the test clears it, which the session's must not be
+    (a clear evicts the persistent EKs tests/test_tpm.py looks for). Requesting the
+    session's fixture first checks the tools and silences TSS2_LOG."""
+    return e2e.swtpm()
+
+
+@pytest.fixture
+def tpm_control_plane(e2e, own_swtpm):  # type: ignore[no-untyped-def]
+    """A control plane trusting ``own_swtpm``'s EK CA for a tpm pool: (cp, site, pool)."""
+    return e2e.tpm_plane(own_swtpm.ca_bundle)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -272,6 +272,35 @@ def start_in(
     )
 
 
+def random_pins() -> dict[str, str]:
+    """The three pins of config.toml, each of a fresh key (for a node that dials nobody)."""
+    from bcd import pki
+
+    names = ("serving_ca_spki_pin", "join_signing_key_pin", "join_encryption_key_pin")
+    return {name: pki.spki_pin(pki.generate_key().public_key()) for name in names}
+
+
+def write_node_config(
+    path: Path,
+    *,
+    gateway_url: str,
+    site: str,
+    pins: Mapping[str, str],
+    data_dir: Path,
+    extra: str = "",
+) -> Path:
+    """A node's config.toml: the gateway, the site, the pins, the data dir, then ``extra``
+    (TOML tables). Every node of the tests gets its config from here."""
+    path.write_text(
+        f'gateway_url = "{gateway_url}"\n'
+        f'site = "{site}"\n'
+        + "".join(f'{k} = "{v}"\n' for k, v in pins.items())
+        + f'data_dir = "{data_dir}"\n'
+        + extra
+    )
+    return path
+
+
 @dataclass
 class Node:
     root: Path
@@ -289,21 +318,25 @@ class Node:
         seed: int = 1,
         write_jwk: bool = True,
         gateway_port: int | None = None,
+        write_serving_ca: bool = True,
     ) -> Node:
         etc = root / "etc"
         etc.mkdir(parents=True, exist_ok=True)
         data = root / "data"
         pins = cp.pins()
-        config = etc / "config.toml"
-        config.write_text(
-            f'gateway_url = "https://127.0.0.1:{gateway_port or cp.gateway_port}"\n'
-            f'site = "{site}"\n'
-            + "".join(f'{k} = "{v}"\n' for k, v in pins.items())
-            + f'data_dir = "{data}"\n'
+        config = write_node_config(
+            etc / "config.toml",
+            gateway_url=f"https://127.0.0.1:{gateway_port or cp.gateway_port}",
+            site=site,
+            pins=pins,
+            data_dir=data,
         )
         if write_jwk:
             jwk = cp.well_known()["join"]["encryptionJwk"]
             (etc / "join-encryption.jwk").write_text(json.dumps(jwk))
+        if write_serving_ca:  # as install-bcd.sh writes it (without it, bcd probes)
+            serving_ca = (cp.home / "pki" / "serving-ca.crt").read_text()
+            (etc / "serving-ca.pem").write_text(serving_ca)
         sysfs = random_machine(root / "sys", seed)
         return cls(root, config, data, sysfs)
 

@@ -53,7 +53,7 @@ def test_serve_on_a_port_in_use_says_so_in_one_line(tmp_path: Path, pki_template
     import shutil
     import socket
 
-    from tests.e2e import BIN, cli_env, run
+    from tests.world import BIN, cli_env, run
 
     home = tmp_path / "cp"
     shutil.copytree(pki_template / "pki", home / "pki")

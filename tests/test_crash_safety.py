@@ -29,7 +29,7 @@ from bcd.identity import LoadedState, load_state
 from bcd.keys.file import generate_file_key, key_to_pem
 from bcd.renew import FAIL_POINTS, renew_once
 from control.pki import Pki
-from tests.test_renew import FakeGateway, joined_state, pin, wall
+from tests.world.agent import FakeGateway, joined_state, pin, wall
 
 ROOT = Path(__file__).resolve().parent.parent
 

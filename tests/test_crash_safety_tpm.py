@@ -41,9 +41,20 @@ from bcd.helper.nodekeys import HelperKeys
 from bcd.identity import LoadedTpmState, load_state
 from bcd.renew import FAIL_POINTS
 from bcd.tpm.record import NodeKeyRecord
-from tests.e2e import BIN, ControlPlane, Node, cli_env, helper_table
-from tests.swtpm import SwTpm
-from tests.test_e2e_tpm import JOINED, _leaf, _start, _start_helper, _stop, _tpm_node
+from tests.world import (
+    BIN,
+    JOINED,
+    ControlPlane,
+    E2EWorld,
+    Node,
+    SwTpm,
+    cli_env,
+    helper_table,
+    leaf,
+    start_helper,
+    stop_process,
+    tpm_node,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -68,13 +79,13 @@ class TpmNode:
 
 
 @pytest.fixture
-def tpm_node(tmp_path: Path, pki_template: Path, swtpm: SwTpm) -> Iterator[TpmNode]:
+def tpm_helper_node(tmp_path: Path, e2e: E2EWorld, swtpm: SwTpm) -> Iterator[TpmNode]:
     """A TPM node joined with its AK, its `bcd helper` running, short certificates."""
-    cp, site, _pool = _start(tmp_path, pki_template, swtpm.ca_bundle, ["--cert-ttl-seconds", "10"])
+    cp, site, _pool = e2e.tpm_plane(swtpm.ca_bundle, ["--cert-ttl-seconds", "10"])
     sockdir = Path(tempfile.mkdtemp(prefix="bcd-helper-", dir="/tmp"))
     helper: subprocess.Popen[str] | None = None
     try:
-        node = _tpm_node(tmp_path / "node", cp, site, swtpm)
+        node = tpm_node(tmp_path / "node", cp, site, swtpm)
         socket = sockdir / "run" / "helper.sock"
         with node.config.open("a") as f:
             f.write(helper_table("root", socket, tmp_path / "hostconfig"))
@@ -83,14 +94,13 @@ def tpm_node(tmp_path: Path, pki_template: Path, swtpm: SwTpm) -> Iterator[TpmNo
         assert done.returncode == 0, done.stderr
         joined = JOINED.match(done.stdout.strip())
         assert joined is not None, done.stdout
-        (statement,) = _leaf(node).statements
+        (statement,) = leaf(node).statements
         assert statement.startswith("urn:bc:tpm-ak:sha256:")
-        helper = _start_helper(node)
+        helper = start_helper(node)
         yield TpmNode(cp, node, joined.group(1), statement, socket)
     finally:
         if helper is not None:
-            _stop(helper)
-        cp.stop()
+            stop_process(helper)
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
@@ -147,7 +157,7 @@ def _wait(proc: subprocess.Popen[str], done: Callable[[], bool], what: str) -> N
         if proc.poll() is not None:
             raise AssertionError(f"bcd node exited: {proc.communicate()}")
         if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: {_stop(proc)}")
+            raise AssertionError(f"{what}: {stop_process(proc)}")
         time.sleep(0.05)
 
 
@@ -157,10 +167,10 @@ def test_every_fail_point_is_covered() -> None:
 
 @pytest.mark.parametrize("point", FAIL_POINTS)
 def test_sigkill_at_a_tpm_renewal_storage_step_loads_a_matching_key_and_renews_again(
-    tpm_node: TpmNode, tmp_path: Path, point: str
+    tpm_helper_node: TpmNode, tmp_path: Path, point: str
 ) -> None:
-    t, node = tpm_node, tpm_node.node
-    before = _leaf(node)
+    t, node = tpm_helper_node, tpm_helper_node.node
+    before = leaf(node)
     generation = _generation(t)
     issued_before = _certs(t)
     assert before.serial_hex in issued_before
@@ -169,7 +179,7 @@ def test_sigkill_at_a_tpm_renewal_storage_step_loads_a_matching_key_and_renews_a
     try:
         code = crashing.wait(30)
     finally:
-        err = _stop(crashing)
+        err = stop_process(crashing)
     assert code == -signal.SIGKILL, err  # the fail point was reached: the renewal got there
     assert "Traceback" not in err, err
     issued_at_crash = set(_certs(t)) - set(issued_before)
@@ -193,7 +203,7 @@ def test_sigkill_at_a_tpm_renewal_storage_step_loads_a_matching_key_and_renews_a
         # and `bcd node` renews again from there
         def renewed() -> bool:
             return (
-                _leaf(node).serial_hex != settled and not (node.data_dir / "node.key.next").exists()
+                leaf(node).serial_hex != settled and not (node.data_dir / "node.key.next").exists()
             )
 
         _wait(again, renewed, "no renewal after the crash")
@@ -201,7 +211,7 @@ def test_sigkill_at_a_tpm_renewal_storage_step_loads_a_matching_key_and_renews_a
         again.send_signal(signal.SIGTERM)
         assert again.wait(15) == 0
     finally:
-        err = _stop(again)
+        err = stop_process(again)
     assert "renewed: certificate" in err, err
     assert "renewal failed" not in err, err
     assert "Traceback" not in err, err

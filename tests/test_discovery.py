@@ -17,15 +17,15 @@ from hypothesis import strategies as st
 from attestors.discovery import check_settings, parse_allowed_kinds
 from bcd import pki as bpki
 from bcd import wire
-from bcd.plugins import Admit, hookimpl, kind_allowed, load_plugins, valid_allowed_kind
+from bcd.attestor_api import Admit, hookimpl, kind_allowed, valid_allowed_kind
+from bcd.plugins import load_plugins
 from bcd.wire import Claims, JoinRequest
 from control import discovery, joinrequests, tenancy
+from control.clock import ManualClock
 from control.errors import ControlError, Refused
 from control.joinservice import JoinService
 from control.server import join_crypto
-from tests.test_joinservice import PLACEHOLDER_CLAIMS, World, machine
-
-world = __import__("tests.test_joinservice", fromlist=["world"]).world  # the fixture
+from tests.world.joins import PLACEHOLDER_CLAIMS, World, machine
 
 EPOCH = 1_764_000_000
 
@@ -251,7 +251,7 @@ def test_a_site_agent_never_joins_by_discovery(disc: Disc) -> None:
     disc.refused(disc.service(), body, "role")
 
 
-def test_an_unknown_machine_waits_is_approved_joins_once(disc: Disc) -> None:
+def test_an_unknown_machine_waits_is_approved_joins_once(disc: Disc, clock: ManualClock) -> None:
     svc = disc.service(**{"discovery.allowed_kinds": "inventory.read, deploy.*"})
     claims = machine(1)
     disc.vouch(claims, ip="10.0.7.21", workflow_id="wf-42")
@@ -289,7 +289,7 @@ def test_an_unknown_machine_waits_is_approved_joins_once(disc: Disc) -> None:
     # the same CSR again within minutes: a lost answer, the same identity, nothing spent
     assert disc.send(svc, body)["chain"] == joined["chain"]
     # later, the approval is spent: the same CSR again is refused
-    disc.w.sql("UPDATE node_certs SET created_at = created_at - 600001")
+    clock.advance(600_001)
     disc.refused(svc, body, "request-consumed")
     assert len(disc.w.rows("SELECT id FROM nodes WHERE pool_id = ?", (disc.pool,))) == 1
     # and so is the boot's vouch: the machine's claims with another CSR cannot follow
@@ -396,10 +396,10 @@ def test_with_approval_always_a_known_machine_waits_too(disc: Disc) -> None:
     assert answer["kind"] == "pending"
 
 
-def test_an_expired_vouch_is_refused(disc: Disc) -> None:
+def test_an_expired_vouch_is_refused(disc: Disc, clock: ManualClock) -> None:
     claims = machine(1)
     disc.vouch(claims)
-    disc.w.sql("UPDATE discovery_vouches SET expires_at = expires_at - ?", (31 * 60_000,))
+    clock.advance(31 * 60_000)  # a vouch lasts 30 minutes
     body, _ = disc.attempt(claims)
     disc.refused(disc.service(), body, "vouch-expired")
 

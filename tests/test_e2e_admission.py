@@ -14,8 +14,7 @@ from cryptography.x509.oid import NameOID
 
 from bcd import pki
 from control.simulate import make_machine
-from tests.e2e import ControlPlane, Node
-from tests.test_e2e_join import REFUSED_LINE
+from tests.world import REFUSED_LINE, ControlPlane, Node
 
 pytestmark = pytest.mark.e2e
 

@@ -9,23 +9,9 @@ from typing import Any
 import pytest
 
 from bcd import pki, wire
-from bcd.httpclient import request
-from bcd.tls import connect_pinned
-from tests.e2e import ControlPlane
+from tests.world import ControlPlane, post_join
 
 pytestmark = pytest.mark.e2e
-
-
-async def _post(cp: ControlPlane, body: bytes) -> tuple[int, dict[str, Any]]:
-    pins = cp.pins()
-    stream = await connect_pinned(
-        "127.0.0.1", cp.gateway_port, "127.0.0.1", pins["serving_ca_spki_pin"]
-    )
-    try:
-        resp = await request(stream, "POST", "/v1/join", "127.0.0.1", body)
-    finally:
-        await stream.aclose()
-    return resp.status, json.loads(resp.body)
 
 
 def _request(csr_der: bytes, sealed: str | None, **overrides: Any) -> bytes:
@@ -67,7 +53,7 @@ async def test_malformed_bodies_get_invalid_argument_and_consume_nothing(
         b"{" * 100_000,
     ]
     for body in bodies:
-        status, answer = await _post(cp, body)
+        status, answer = await post_join(cp, body)
         assert status in (400, 413), body[:40]
         assert answer["code"] == "INVALID_ARGUMENT"
         assert "Traceback" not in answer["message"]
@@ -99,7 +85,7 @@ async def test_bad_seals_and_csrs_are_refused_uniformly(sqlite_control_plane: Co
         ),
     }
     for reason, body in cases.items():
-        status, answer = await _post(cp, body)
+        status, answer = await post_join(cp, body)
         assert (status, answer) == (403, {"code": "ACCESS_DENIED", "message": "Join refused"}), (
             reason
         )

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import BIN, ControlPlane, Node, cli_env, run
+from tests.world import BIN, ControlPlane, E2EWorld, Node, cli_env, run
 
 pytestmark = pytest.mark.e2e
 
@@ -182,60 +182,55 @@ def test_token_file_rules(sqlite_control_plane: ControlPlane, tmp_path: Path) ->
 
 
 def test_join_with_server_bootstraps_a_machine_without_config(
-    sqlite_control_plane: ControlPlane, tmp_path: Path, pki_template: Path
+    sqlite_control_plane: ControlPlane, tmp_path: Path, e2e: E2EWorld
 ) -> None:
     cp = sqlite_control_plane
     site, pool = cp.site_and_pool()
     cp.stop()
-    cp2 = ControlPlane.start(
-        tmp_path / "cp2", pki_template, cp.db_url, gateway_url="https://127.0.0.1:{port}"
+    cp2 = e2e.control_plane(cp.db_url, name="cp2", gateway_url="https://127.0.0.1:{port}")
+    pins = cp2.pins()
+    machine = Node.make(tmp_path / "m", cp2, site)
+    config = tmp_path / "fresh" / "config.toml"
+    args = [
+        str(BIN / "bcd"),
+        "join",
+        "--config",
+        str(config),
+        "--server",
+        cp2.api,
+        "--data-dir",
+        str(tmp_path / "fresh-data"),
+        "--sysfs-root",
+        str(machine.sysfs),
+        "--serving-ca-pin",
+        pins["serving_ca_spki_pin"],
+        "--join-signing-pin",
+        pins["join_signing_key_pin"],
+    ]
+    token = cp2.token(pool)["token"]
+    missing = run(args, input=token.encode(), env=cli_env(tmp_path))
+    assert missing.returncode == 2
+    assert "--join-encryption-pin" in missing.stderr
+    wrong = run(
+        [*args, "--join-encryption-pin", pins["serving_ca_spki_pin"]],
+        input=token.encode(),
+        env=cli_env(tmp_path),
     )
-    try:
-        pins = cp2.pins()
-        machine = Node.make(tmp_path / "m", cp2, site)
-        config = tmp_path / "fresh" / "config.toml"
-        args = [
-            str(BIN / "bcd"),
-            "join",
-            "--config",
-            str(config),
-            "--server",
-            cp2.api,
-            "--data-dir",
-            str(tmp_path / "fresh-data"),
-            "--sysfs-root",
-            str(machine.sysfs),
-            "--serving-ca-pin",
-            pins["serving_ca_spki_pin"],
-            "--join-signing-pin",
-            pins["join_signing_key_pin"],
-        ]
-        token = cp2.token(pool)["token"]
-        missing = run(args, input=token.encode(), env=cli_env(tmp_path))
-        assert missing.returncode == 2
-        assert "--join-encryption-pin" in missing.stderr
-        wrong = run(
-            [*args, "--join-encryption-pin", pins["serving_ca_spki_pin"]],
-            input=token.encode(),
-            env=cli_env(tmp_path),
-        )
-        assert wrong.returncode == 1
-        assert "refusing it" in wrong.stderr
-        assert not config.exists()
-        done = run(
-            [*args, "--join-encryption-pin", pins["join_encryption_key_pin"]],
-            input=token.encode(),
-            env=cli_env(tmp_path),
-        )
-        assert done.returncode == 0, done.stderr
-        assert done.stdout.startswith("joined as node_")
-        text = config.read_text()
-        assert f'site = "{site}"' in text
-        assert (config.parent / "join-encryption.jwk").exists()
-        doctor = run([str(BIN / "bcd"), "doctor", "--config", str(config)], env=cli_env(tmp_path))
-        assert doctor.returncode == 0, doctor.stdout
-    finally:
-        cp2.stop()
+    assert wrong.returncode == 1
+    assert "refusing it" in wrong.stderr
+    assert not config.exists()
+    done = run(
+        [*args, "--join-encryption-pin", pins["join_encryption_key_pin"]],
+        input=token.encode(),
+        env=cli_env(tmp_path),
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("joined as node_")
+    text = config.read_text()
+    assert f'site = "{site}"' in text
+    assert (config.parent / "join-encryption.jwk").exists()
+    doctor = run([str(BIN / "bcd"), "doctor", "--config", str(config)], env=cli_env(tmp_path))
+    assert doctor.returncode == 0, doctor.stdout
 
 
 def test_a_rotated_join_key_file_fails_with_the_way_back(

@@ -29,8 +29,18 @@ from control import gatewaypki, relay
 from control.http import Request, Response, error_response, serve
 from control.pki import load_pki, server_ssl_context
 from control.store import open_store
-from tests.e2e import BIN, SECRET, Node, cli_env
-from tests.fleet import drop_login, fleet, gateway_login, pg_schema, pg_schema_url, relay_url
+from tests.world import (
+    BIN,
+    SECRET,
+    Node,
+    cli_env,
+    drop_login,
+    fleet,
+    gateway_login,
+    pg_schema,
+    pg_schema_url,
+    relay_url,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 

@@ -16,9 +16,18 @@ import pytest
 import trio
 
 from bcd import pki, wire
-from tests.e2e import BIN, ControlPlane, Node, cli_env, root_site_store, run, start_in
-from tests.test_e2e_bad_input import _post
-from tests.test_e2e_tpm import JOINED
+from tests.world import (
+    BIN,
+    JOINED,
+    ControlPlane,
+    E2EWorld,
+    Node,
+    cli_env,
+    post_join,
+    post_join_raw,
+    root_site_store,
+    run,
+)
 
 pytestmark = pytest.mark.e2e
 EPOCH = 1_764_400_000
@@ -28,20 +37,16 @@ def _mac(node: Node) -> str:
     return (node.sysfs / "sys" / "class" / "net" / "eth0" / "address").read_text().strip()
 
 
-def _start(
-    tmp_path: Path, pki_template: Path, gateway_url: str | None = None
-) -> tuple[ControlPlane, str, str, str]:
+def _start(e2e: E2EWorld, gateway_url: str | None = None) -> tuple[ControlPlane, str, str, str]:
     db_url, site, (agents, pool) = root_site_store(
-        tmp_path,
+        e2e.tmp,
         "dc-1",
         ("site-agents", {}),
         ("discovered", {"joinAttestors": ["discovery"]}),
     )
-    cp = start_in(
-        tmp_path,
-        pki_template,
+    cp = e2e.control_plane(
         db_url,
-        [
+        extra_args=[
             "--discovery-pool",
             pool,
             "--attestor-setting",
@@ -49,7 +54,7 @@ def _start(
             "--attestor-setting",
             "discovery.match_ip=true",
         ],
-        gateway_url,
+        gateway_url=gateway_url,
     )
     return cp, site, agents, pool
 
@@ -65,8 +70,8 @@ def _request_of(cp: ControlPlane, agent: subprocess.Popen[str], mac: str) -> dic
         time.sleep(0.1)
 
 
-def test_discovered_machines_wait_are_decided_and_join(tmp_path: Path, pki_template: Path) -> None:
-    cp, site, agents, pool = _start(tmp_path, pki_template)
+def test_discovered_machines_wait_are_decided_and_join(tmp_path: Path, e2e: E2EWorld) -> None:
+    cp, site, agents, pool = _start(e2e)
     waiting: list[subprocess.Popen[str]] = []
     try:
         tenant = cp.root_tenant
@@ -185,93 +190,77 @@ def test_discovered_machines_wait_are_decided_and_join(tmp_path: Path, pki_templ
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-        cp.stop()
 
 
-def test_an_approval_is_used_once_at_the_real_gateway(tmp_path: Path, pki_template: Path) -> None:
-    cp, site, agents, pool = _start(tmp_path, pki_template)
-    try:
-        site_agent = Node.make(tmp_path / "site-agent", cp, site, seed=1)
-        assert (
-            site_agent.join(cp.token(agents, role="site")["token"], "--role", "site").returncode
-            == 0
-        )
-        claims = wire.Claims(
-            product_uuid="4c4c4544-0042-3510-8052-b4c04f4d3799",
-            product_serial="SN-DISC-1",
-            macs=("00:1b:21:aa:bb:99",),
-        )
-        assert (
-            site_agent.bcd(
-                "vouch",
-                "--mac",
-                claims.macs[0],
-                "--boot-lease-epoch",
-                str(EPOCH),
-                "--ip",
-                "127.0.0.1",
-            ).returncode
-            == 0
-        )
-        key = pki.generate_key()
-        body = wire.dumps(
-            wire.JoinRequest(
-                role="node", attestor="discovery", sealed_token=None,
-                csr_der=pki.make_csr(key), claims=claims, evidence={}, node_id=None,
-                daemon_version="test",
-            ).to_json()
-        )  # fmt: skip
-        signing_pin = cp.pins()["join_signing_key_pin"]
+def test_an_approval_is_used_once_at_the_real_gateway(tmp_path: Path, e2e: E2EWorld) -> None:
+    cp, site, agents, pool = _start(e2e)
+    site_agent = Node.make(tmp_path / "site-agent", cp, site, seed=1)
+    assert site_agent.join(cp.token(agents, role="site")["token"], "--role", "site").returncode == 0
+    claims = wire.Claims(
+        product_uuid="4c4c4544-0042-3510-8052-b4c04f4d3799",
+        product_serial="SN-DISC-1",
+        macs=("00:1b:21:aa:bb:99",),
+    )
+    assert (
+        site_agent.bcd(
+            "vouch",
+            "--mac",
+            claims.macs[0],
+            "--boot-lease-epoch",
+            str(EPOCH),
+            "--ip",
+            "127.0.0.1",
+        ).returncode
+        == 0
+    )
+    key = pki.generate_key()
+    body = wire.dumps(
+        wire.JoinRequest(
+            role="node", attestor="discovery", sealed_token=None,
+            csr_der=pki.make_csr(key), claims=claims, evidence={}, node_id=None,
+            daemon_version="test",
+        ).to_json()
+    )  # fmt: skip
+    signing_pin = cp.pins()["join_signing_key_pin"]
 
-        pending = wire.verify_response(trio.run(_post_raw, cp, body), signing_pin)
-        assert pending["kind"] == "pending"
-        row = cp.one("SELECT id FROM join_requests")
-        assert row is not None
-        assert pending["request_id"] == row["id"]
-        approved = cp.cli(
-            "join-requests", "approve", row["id"], "--tenant", cp.root_tenant, "--pool", pool
-        )
-        assert approved.returncode == 0, approved.stderr
+    pending = wire.verify_response(trio.run(_post_raw, cp, body), signing_pin)
+    assert pending["kind"] == "pending"
+    row = cp.one("SELECT id FROM join_requests")
+    assert row is not None
+    assert pending["request_id"] == row["id"]
+    approved = cp.cli(
+        "join-requests", "approve", row["id"], "--tenant", cp.root_tenant, "--pool", pool
+    )
+    assert approved.returncode == 0, approved.stderr
 
-        first = trio.run(_post_raw, cp, body)
-        joined = wire.verify_response(first, signing_pin)
-        assert joined["kind"] == "joined"
-        # within minutes the same request is a lost answer: the same identity, nothing new
-        again = wire.verify_response(trio.run(_post_raw, cp, body), signing_pin)
-        assert (again["node_id"], again["chain"]) == (joined["node_id"], joined["chain"])
-        assert cp.one("SELECT COUNT(*) AS n FROM node_certs") == {"n": 2}  # agent + machine
-        with cp.store.tx() as tx:
-            tx.execute("UPDATE node_certs SET created_at = created_at - 600001")
-        status, second = trio.run(_post, cp, body)
-        assert (status, second) == (403, {"code": "ACCESS_DENIED", "message": "Join refused"})
-        reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
-        assert "discovery:request-consumed" in reasons
-        assert cp.one("SELECT COUNT(*) AS n FROM nodes WHERE pool_id = ?", (pool,)) == {"n": 1}
-    finally:
-        cp.stop()
+    first = trio.run(_post_raw, cp, body)
+    joined = wire.verify_response(first, signing_pin)
+    assert joined["kind"] == "joined"
+    # within minutes the same request is a lost answer: the same identity, nothing new
+    again = wire.verify_response(trio.run(_post_raw, cp, body), signing_pin)
+    assert (again["node_id"], again["chain"]) == (joined["node_id"], joined["chain"])
+    assert cp.one("SELECT COUNT(*) AS n FROM node_certs") == {"n": 2}  # agent + machine
+    with cp.store.tx() as tx:
+        tx.execute("UPDATE node_certs SET created_at = created_at - 600001")
+    status, second = trio.run(post_join, cp, body)
+    assert (status, second) == (403, {"code": "ACCESS_DENIED", "message": "Join refused"})
+    reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+    assert "discovery:request-consumed" in reasons
+    assert cp.one("SELECT COUNT(*) AS n FROM nodes WHERE pool_id = ?", (pool,)) == {"n": 1}
 
 
 async def _post_raw(cp: ControlPlane, body: bytes) -> str:
-    from bcd.httpclient import request
-    from bcd.tls import connect_pinned
-
-    stream = await connect_pinned(
-        "127.0.0.1", cp.gateway_port, "127.0.0.1", cp.pins()["serving_ca_spki_pin"]
-    )
-    try:
-        resp = await request(stream, "POST", "/v1/join", "127.0.0.1", body)
-    finally:
-        await stream.aclose()
-    assert resp.status == 200, resp.body
-    return resp.body.decode("ascii")
+    status, raw = await post_join_raw(cp, body)
+    assert status == 200, raw
+    return raw.decode("ascii")
 
 
 def test_a_pxe_machine_without_config_joins_from_the_well_known_document(
-    tmp_path: Path, pki_template: Path
+    tmp_path: Path, e2e: E2EWorld
 ) -> None:
     """A PXE-booted machine has only the three pins (from its boot image): ``bcd join
     --server … --attestor discovery`` builds config.toml from the well-known document."""
-    cp, site, agents, pool = _start(tmp_path, pki_template, "https://127.0.0.1:{port}")
+    cp, site, agents, pool = _start(e2e, "https://127.0.0.1:{port}")
     agent: subprocess.Popen[str] | None = None
     try:
         site_agent = Node.make(tmp_path / "site-agent", cp, site, seed=1)
@@ -319,4 +308,3 @@ def test_a_pxe_machine_without_config_joins_from_the_well_known_document(
         if agent is not None and agent.poll() is None:
             agent.kill()
             agent.wait()
-        cp.stop()

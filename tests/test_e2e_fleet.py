@@ -11,100 +11,42 @@ across gateways and replicas.
 from __future__ import annotations
 
 import json
-import subprocess
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import trio
 
-from bcd import pki
-from bcd.httpclient import request
-from bcd.identity import LoadedState, load_state
-from bcd.keys.file import key_to_pem
-from bcd.renew import build_request
-from bcd.tls import connect_pinned
-from tests.e2e import BIN, ControlPlane, Node, cli_env
-from tests.fleet import Fleet, Forwarder, fleet, relay_url
+from bcd.identity import LoadedState
+from tests.gatewaycalls import node_post
+from tests.world import (
+    BIN,
+    ControlPlane,
+    Forwarder,
+    Node,
+    RunningNode,
+    cli_env,
+    fleet,
+    fleet_node,
+    loaded,
+    node_id,
+    relay_url,
+    renew_body,
+    wait_for,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
-
-
-def wait_for(predicate: Callable[[], object], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-class RunningNode:
-    """``bcd node`` with its log in a file, so a test can read it while it runs."""
-
-    def __init__(self, node: Node) -> None:
-        self.node = node
-        self.log_path = node.root / "node.log"
-        self.proc = subprocess.Popen(
-            [str(BIN / "bcd"), "node", "--config", str(node.config)],
-            env=cli_env(node.root, secret=False),
-            stdout=subprocess.DEVNULL,
-            stderr=open(self.log_path, "wb"),  # noqa: SIM115 - the process owns it
-        )
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-    def sessions(self) -> int:
-        return self.log().count("session open (")
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
-
-
-def joined(f: Fleet, root: Path, seed: int, site: str, pool: str, port: int) -> Node:
-    node = Node.make(root, f.api, site, seed=seed, gateway_port=port)
-    done = node.join(f.api.token(pool)["token"])
-    assert done.returncode == 0, done.stderr
-    return node
 
 
 def environ_of(pid: int) -> bytes:
     return Path(f"/proc/{pid}/environ").read_bytes()
 
 
-def node_id(node: Node) -> str:
-    return str(json.loads((node.data_dir / "identity.json").read_text())["node_id"])
-
-
 async def renew_at(
     cp: ControlPlane, port: int, state: LoadedState, body: bytes
 ) -> tuple[int, dict[str, str], bytes]:
-    stream = await connect_pinned(
-        "127.0.0.1",
-        port,
-        "127.0.0.1",
-        cp.pins()["serving_ca_spki_pin"],
-        client_cert=(state.identity.chain, key_to_pem(state.key)),
-    )
-    try:
-        resp = await request(stream, "POST", "/v1/renew", "127.0.0.1", body)
-    finally:
-        await stream.aclose()
+    resp = await node_post(port, cp.pins()["serving_ca_spki_pin"], state, "/v1/renew", body)
     return resp.status, dict(resp.headers), resp.body
-
-
-def renew_body(state: LoadedState) -> bytes:
-    _csr, req = build_request(state, pki.generate_key(), int(time.time() * 1000))
-    return json.dumps(req.to_json()).encode()
-
-
-def loaded(node: Node) -> LoadedState:
-    state = load_state(node.data_dir)
-    assert isinstance(state, LoadedState)
-    return state
 
 
 async def test_join_through_one_gateway_renew_through_the_other_revoke_on_either(
@@ -117,8 +59,8 @@ async def test_join_through_one_gateway_renew_through_the_other_revoke_on_either
             assert b"BETTER_COMPUTE_SECRET" not in environ_of(gw.proc.pid)
             assert not (gw.home / "pki").exists()
         site, pool = f.api.site_and_pool()
-        a = joined(f, tmp_path / "a", 1, site, pool, gw1.port)
-        b = joined(f, tmp_path / "b", 2, site, pool, gw2.port)
+        a = fleet_node(f, tmp_path / "a", 1, site, pool, gw1.port)
+        b = fleet_node(f, tmp_path / "b", 2, site, pool, gw2.port)
         for node, other in ((a, gw2), (b, gw1)):
             state = loaded(node)
             status, _h, body = await renew_at(f.api, other.port, state, renew_body(state))
@@ -149,7 +91,7 @@ async def test_a_killed_gateway_s_nodes_hold_a_session_through_the_other(
         balancer = Forwarder(gw1.port)
         f.forwarders.append(balancer)
         site, pool = f.api.site_and_pool()
-        node = joined(f, tmp_path / "n", 3, site, pool, balancer.port)
+        node = fleet_node(f, tmp_path / "n", 3, site, pool, balancer.port)
         run = RunningNode(node)
         try:
             wait_for(lambda: run.sessions() >= 1, 20, "the first session")
@@ -169,7 +111,7 @@ async def test_a_killed_api_replica_moves_the_relay_to_the_next(
     with fleet(tmp_path, pki_template, apis=2, gateways=1) as f:
         (gw,) = f.gateways
         site, pool = f.api.site_and_pool()
-        joined(f, tmp_path / "a", 4, site, pool, gw.port)
+        fleet_node(f, tmp_path / "a", 4, site, pool, gw.port)
         first = f.apis[0]
         first.proc.kill()  # kill -9 the upstream the relay prefers
         first.proc.wait(10)
@@ -191,7 +133,7 @@ async def test_renewal_limit_and_proof_replay_hold_across_gateways_and_replicas(
         gw1 = f.add_gateway("gw1", [relay_url(api1)])
         gw2 = f.add_gateway("gw2", [relay_url(api2)])
         site, pool = api1.site_and_pool()
-        node = joined(f, tmp_path / "n", 6, site, pool, gw1.port)
+        node = fleet_node(f, tmp_path / "n", 6, site, pool, gw1.port)
         state = loaded(node)
         body = renew_body(state)
         status, _h, answer = await renew_at(api1, gw1.port, state, body)
@@ -243,9 +185,7 @@ def test_a_gateway_refuses_the_secret_and_a_login_outside_its_role(
 
     import psycopg
 
-    from tests.conftest import PG_URL
-    from tests.e2e import SECRET, run
-    from tests.fleet import drop_login, pg_schema_url
+    from tests.world import PG_URL, SECRET, drop_login, pg_schema_url, run
 
     with fleet(tmp_path, pki_template, apis=1, gateways=0) as f:
         base = [

@@ -23,15 +23,18 @@ import pytest
 import trio
 
 from bcd import wire
-from bcd.httpclient import open_lines, request
+from bcd.gatewayclient import GatewayClient
 from bcd.identity import LoadedState
 from bcd.keys.file import key_to_pem
 from bcd.tls import connect_pinned
-from tests.e2e import ControlPlane
-from tests.fleet import Forwarder, fleet
-from tests.test_e2e_fleet import (
+from bcd.transport import DialTransport
+from tests.gatewaycalls import gateway_anchor
+from tests.world import (
+    ControlPlane,
+    Forwarder,
     RunningNode,
-    joined,
+    fleet,
+    fleet_node,
     loaded,
     node_id,
     renew_body,
@@ -51,14 +54,21 @@ def _hello(state: LoadedState) -> bytes:
     return wire.dumps(hello.to_json())
 
 
-async def _connect(cp: ControlPlane, port: int, state: LoadedState) -> trio.abc.Stream:
-    return await connect_pinned(
+async def _connect(cp: ControlPlane, port: int, state: LoadedState) -> GatewayClient:
+    """A client whose one connection is made now (TLS as ``state``, pinned)."""
+    anchor = await gateway_anchor(port, cp.pins()["serving_ca_spki_pin"])
+    stream = await connect_pinned(
         "127.0.0.1",
         port,
         "127.0.0.1",
-        cp.pins()["serving_ca_spki_pin"],
+        anchor,
         client_cert=(state.identity.chain, key_to_pem(state.key)),
     )
+
+    async def dial(host: str, port: int) -> trio.abc.Stream:
+        return stream
+
+    return GatewayClient(DialTransport(dial), host="127.0.0.1", port=port, server_name="127.0.0.1")
 
 
 def _remove(directory: Path) -> None:
@@ -79,8 +89,8 @@ async def test_a_gateway_that_loses_its_database_keeps_sessions_and_catches_up(
         f.forwarders.append(network)
         gw = f.add_gateway("gw", db_url=_via(f.gateway_db_url, network.port))
         site, pool = f.api.site_and_pool()
-        node = joined(f, tmp_path / "n", 11, site, pool, gw.port)
-        other = joined(f, tmp_path / "o", 12, site, pool, gw.port)
+        node = fleet_node(f, tmp_path / "n", 11, site, pool, gw.port)
+        other = fleet_node(f, tmp_path / "o", 12, site, pool, gw.port)
         run = RunningNode(node)
         try:
             wait_for(lambda: run.sessions() >= 1, 20, "a session")
@@ -96,11 +106,8 @@ async def test_a_gateway_that_loses_its_database_keeps_sessions_and_catches_up(
                 }
             # what it cannot check now: a new session
             state = loaded(other)
-            stream = await _connect(f.api, gw.port, state)
-            try:
-                answer = await request(stream, "POST", "/v1/session", "127.0.0.1", _hello(state))
-            finally:
-                await stream.aclose()
+            async with await _connect(f.api, gw.port, state) as client:
+                answer = await client.post("/v1/session", _hello(state))
             assert answer.status == 503
             assert json.loads(answer.body)["code"] == "UNAVAILABLE"
             assert int(dict(answer.headers)["retry-pushback-ms"]) > 0
@@ -139,21 +146,21 @@ async def test_sigterm_drains_a_gateway(tmp_path: Path, pki_template: Path) -> N
             )
             assert b"READY=1" in notify.recv(4096)
             site, pool = f.api.site_and_pool()
-            node = joined(f, tmp_path / "n", 13, site, pool, gw.port)
+            node = fleet_node(f, tmp_path / "n", 13, site, pool, gw.port)
             state = loaded(node)
             session = await _connect(f.api, gw.port, state)
-            status, _h, lines = await open_lines(
-                session, "POST", "/v1/session", "127.0.0.1", _hello(state), idle_timeout=30
-            )
-            assert status == 200
-            first = json.loads(await lines.__anext__())
+            opened = session.session(_hello(state), idle_timeout=30)
+            lines = await opened.__aenter__()
+            assert lines.status == 200
+            it = aiter(lines)
+            first = json.loads(await anext(it))
             assert first["type"] == "welcome"
             renewed: list[int] = []
             renewal = await _connect(f.api, gw.port, state)  # connected before the drain
             body = renew_body(state)
 
             async def renew() -> None:
-                answer = await request(renewal, "POST", "/v1/renew", "127.0.0.1", body)
+                answer = await renewal.post("/v1/renew", body)
                 renewed.append(answer.status)
                 await renewal.aclose()
 
@@ -161,8 +168,8 @@ async def test_sigterm_drains_a_gateway(tmp_path: Path, pki_template: Path) -> N
                 nursery.start_soon(renew)
                 await trio.sleep(0.3)  # the renewal is in the slow relay now
                 gw.proc.send_signal(signal.SIGTERM)
-                rest = [line async for line in lines]  # ends cleanly, no TransportError
-                await lines.aclose()
+                rest = [line async for line in it]  # ends cleanly, no TransportError
+                await opened.__aexit__(None, None, None)
                 await session.aclose()
             assert rest == []
             assert renewed == [200]

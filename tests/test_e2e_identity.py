@@ -11,7 +11,7 @@ import pytest
 from bcd.identity import persist_join
 from bcd.keys.file import generate_file_key, key_to_pem
 from tests.certs import node_identity
-from tests.e2e import ControlPlane, Node
+from tests.world import ControlPlane, Node
 
 pytestmark = pytest.mark.e2e
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import re
 import stat
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -11,17 +10,11 @@ from pathlib import Path
 import pytest
 
 from bcd import wire
-from tests.e2e import ControlPlane, Node
 from tests.fakesys import make_machine
 from tests.sysusers import temporary_user
+from tests.world import JOINED, REFUSED_LINE, ControlPlane, Node
 
 pytestmark = pytest.mark.e2e
-
-JOINED = re.compile(
-    r"^joined as (node_[0-9a-z]{26}) \(site (site_[0-9a-z]{26}), role node\); "
-    r"certificate valid until \S+Z$"
-)
-REFUSED_LINE = "bcd: the control plane refused the join (ACCESS_DENIED: Join refused)\n"
 
 
 def test_a_machine_joins_with_a_join_token(control_plane: ControlPlane, tmp_path: Path) -> None:

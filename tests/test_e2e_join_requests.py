@@ -12,26 +12,21 @@ from pathlib import Path
 
 import pytest
 
-from tests.swtpm import SwTpm
-from tests.test_e2e_tpm import JOINED, _start, _tpm_node
+from tests.world import JOINED, E2EWorld, SwTpm, other_ca_bundle, tpm_node
 
 pytestmark = pytest.mark.e2e
 
 
 def test_a_tpm_enrollment_waits_for_approval_then_joins(
-    tmp_path: Path, pki_template: Path, swtpm: SwTpm
+    tmp_path: Path, e2e: E2EWorld, swtpm: SwTpm
 ) -> None:
     # an EK CA bundle that signed no EK: the EK is on no allow-list and does not chain
-    from tests.test_joinservice_tpm import other_ca_bundle
-
     bundle = other_ca_bundle(tmp_path / "other-ca.pem")
-    cp, site, pool = _start(
-        tmp_path, pki_template, bundle, ["--attestor-setting", "tpm.enrollment=true"]
-    )
+    cp, site, pool = e2e.tpm_plane(bundle, ["--attestor-setting", "tpm.enrollment=true"])
     agent: subprocess.Popen[str] | None = None
     try:
         tenant = cp.root_tenant
-        node = _tpm_node(tmp_path / "node", cp, site, swtpm)
+        node = tpm_node(tmp_path / "node", cp, site, swtpm)
         agent = node.spawn_join("--attestor", "tpm")
         deadline = time.monotonic() + 30
         row = None
@@ -94,4 +89,3 @@ def test_a_tpm_enrollment_waits_for_approval_then_joins(
         if agent is not None and agent.poll() is None:
             agent.kill()
             agent.wait()
-        cp.stop()

@@ -13,8 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import ControlPlane, Node
-from tests.test_e2e_tpm import JOINED
+from tests.world import JOINED, ControlPlane, Node
 
 pytestmark = pytest.mark.e2e
 REQUEST_BYTES = 1500

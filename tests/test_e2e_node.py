@@ -2,32 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import BIN, ControlPlane, Node, cli_env
+from tests.world import BIN, ControlPlane, E2EWorld, Node, cli_env, leaf, wait_for
 
 pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture
-def short_lived(tmp_path: Path, pki_template: Path) -> Iterator[ControlPlane]:
-    cp = ControlPlane.start(
-        tmp_path / "cp",
-        pki_template,
-        f"sqlite:///{tmp_path / 'store.db'}",
-        extra_args=["--cert-ttl-seconds", "10"],
-    )
-    try:
-        yield cp
-    finally:
-        cp.stop()
+def short_lived(e2e: E2EWorld) -> ControlPlane:
+    return e2e.control_plane(extra_args=["--cert-ttl-seconds", "10"])
 
 
 def _start_node(node: Node) -> subprocess.Popen[str]:
@@ -41,18 +30,7 @@ def _start_node(node: Node) -> subprocess.Popen[str]:
 
 
 def _serial(node: Node) -> str:
-    from bcd import pki
-
-    ident = json.loads((node.data_dir / "identity.json").read_text())
-    return pki.leaf_info(pki.load_pem_chain(ident["chain"])[0]).serial_hex
-
-
-def _wait(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    return leaf(node).serial_hex
 
 
 def test_node_renews_keeps_a_session_and_stops_when_revoked(
@@ -67,7 +45,7 @@ def test_node_renews_keeps_a_session_and_stops_when_revoked(
     first = _serial(node)
     proc = _start_node(node)
     try:
-        _wait(lambda: _serial(node) != first, 20, "a renewal")
+        wait_for(lambda: _serial(node) != first, 20, "a renewal")
         assert (node.data_dir / "journal.db").exists()
         with cp.store.tx() as tx:
             certs = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
@@ -144,7 +122,7 @@ def test_sigkill_at_a_renewal_storage_step_leaves_a_loadable_identity(
     assert settled in (before, state.leaf_info.serial_hex)
     again = _start_node(node)
     try:
-        _wait(lambda: _serial(node) != settled, 20, "a renewal after the crash")
+        wait_for(lambda: _serial(node) != settled, 20, "a renewal after the crash")
     finally:
         again.send_signal(signal.SIGTERM)
         again.communicate(timeout=10)

@@ -10,12 +10,10 @@ from typing import Any
 import pytest
 
 from bcd import pki, wire
-from bcd.httpclient import request
 from bcd.identity import LoadedState, load_state
-from bcd.keys.file import key_to_pem
 from bcd.renew import build_request
-from bcd.tls import connect_pinned
-from tests.e2e import ControlPlane, Node
+from tests.gatewaycalls import node_post
+from tests.world import ControlPlane, Node
 
 pytestmark = pytest.mark.e2e
 
@@ -26,17 +24,7 @@ async def _renew(
     cp: ControlPlane, as_state: LoadedState, body: bytes
 ) -> tuple[int, dict[str, Any]]:
     pin = cp.pins()["serving_ca_spki_pin"]
-    stream = await connect_pinned(
-        "127.0.0.1",
-        cp.gateway_port,
-        "127.0.0.1",
-        pin,
-        client_cert=(as_state.identity.chain, key_to_pem(as_state.key)),
-    )
-    try:
-        resp = await request(stream, "POST", "/v1/renew", "127.0.0.1", body)
-    finally:
-        await stream.aclose()
+    resp = await node_post(cp.gateway_port, pin, as_state, "/v1/renew", body)
     return resp.status, json.loads(resp.body) if resp.status != 200 else {"signed": resp.body}
 
 

@@ -6,23 +6,16 @@ through the ``bcd.attestors`` entry-point group."""
 from __future__ import annotations
 
 import importlib.metadata
-import re
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e import ControlPlane, Node, root_site_store, start_in
+from tests.world import JOINED, REFUSED_LINE, ControlPlane, E2EWorld, Node, root_site_store
 
 pytestmark = pytest.mark.e2e
 
 NAME = "serial-allowlist"
 ALLOWED = ("SN-ALLOW-0001", "SN-ALLOW-0002")
-JOINED = re.compile(
-    r"^joined as (node_[0-9a-z]{26}) \(site (site_[0-9a-z]{26}), role node\); "
-    r"certificate valid until \S+Z$"
-)
-REFUSED_LINE = "bcd: the control plane refused the join (ACCESS_DENIED: Join refused)\n"
 
 
 def test_the_example_attestor_is_installed_as_a_separate_distribution() -> None:
@@ -33,25 +26,18 @@ def test_the_example_attestor_is_installed_as_a_separate_distribution() -> None:
 
 
 @pytest.fixture
-def serial_control_plane(
-    tmp_path: Path, pki_template: Path
-) -> Iterator[tuple[ControlPlane, str, str]]:
-    db_url, site, (pool,) = root_site_store(tmp_path, "rack-s1", ("serials", {}))
-    cp = start_in(
-        tmp_path,
-        pki_template,
+def serial_control_plane(e2e: E2EWorld) -> tuple[ControlPlane, str, str]:
+    db_url, site, (pool,) = root_site_store(e2e.tmp, "rack-s1", ("serials", {}))
+    cp = e2e.control_plane(
         db_url,
-        [
+        extra_args=[
             "--attestor-setting",
             f"{NAME}.pool={pool}",
             "--attestor-setting",
             f"{NAME}.serials={','.join(ALLOWED)}",
         ],
     )
-    try:
-        yield cp, site, pool
-    finally:
-        cp.stop()
+    return cp, site, pool
 
 
 def _node(
@@ -105,3 +91,68 @@ def test_a_serial_not_on_the_list_is_refused(
     assert reasons == [f"{NAME}:serial-unknown"]
     assert cp.events(type_="node.joined") == []
     assert not (node.data_dir / "identity.json").exists()
+
+
+# --- the node half's own table in config.toml ([attestors.serial-allowlist]) ---------
+
+BAD_FIELD = (
+    '[attestors.serial-allowlist]: "serial_field" must be one of product_serial, '
+    "board_serial, chassis_serial"
+)
+
+
+def test_the_node_half_takes_its_setting_from_its_table(
+    serial_control_plane: tuple[ControlPlane, str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp, site, pool = serial_control_plane
+    node = _node(tmp_path, cp, site, "SN-NOT-LISTED", monkeypatch)
+    (node.sysfs / "sys/class/dmi/id/board_serial").write_text(ALLOWED[0] + "\n")
+    with node.config.open("a") as f:
+        f.write('\n[attestors.serial-allowlist]\nserial_field = "board_serial"\n')
+
+    done = node.join(None, "--attestor", NAME)
+
+    assert done.returncode == 0, done.stderr
+    m = JOINED.match(done.stdout.strip())
+    assert m, done.stdout
+    assert cp.one("SELECT pool_id FROM nodes WHERE id = ?", (m.group(1),)) == {"pool_id": pool}
+    assert cp.events(type_="security.join.refused") == []
+
+
+def test_a_bad_value_in_its_table_is_refused_with_the_plugins_message(
+    serial_control_plane: tuple[ControlPlane, str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp, site, _pool = serial_control_plane
+    node = _node(tmp_path, cp, site, ALLOWED[0], monkeypatch)
+    with node.config.open("a") as f:
+        f.write('\n[attestors.serial-allowlist]\nserial_field = "mac"\n')
+
+    done = node.join(None, "--attestor", NAME)
+
+    assert done.returncode == 1
+    assert done.stderr == f"bcd: {node.config}: {BAD_FIELD}\n"
+    assert cp.events(type_="security.join.refused") == []
+    assert cp.events(type_="node.joined") == []
+
+
+def test_a_table_for_an_attestor_no_plugin_names_is_refused(
+    serial_control_plane: tuple[ControlPlane, str, str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cp, site, _pool = serial_control_plane
+    node = _node(tmp_path, cp, site, ALLOWED[0], monkeypatch)
+    with node.config.open("a") as f:
+        f.write('\n[attestors.serial-allowlistt]\nserial_field = "board_serial"\n')
+
+    done = node.join(None, "--attestor", NAME)
+
+    assert done.returncode == 1
+    assert done.stderr == (
+        f'bcd: {node.config}: unknown attestor "attestors.serial-allowlistt": no attestor '
+        "plugin has that name\n"
+    )

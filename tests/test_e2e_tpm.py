@@ -6,11 +6,10 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -20,57 +19,25 @@ from bcd.identity import TPM_KEY_MISMATCH, TPM_NODE_UNSUPPORTED, load_state
 from bcd.tpm.ak import ak_public
 from bcd.tpm.device import open_tpm
 from bcd.tpm.record import NodeKeyRecord
-from tests.e2e import BIN, ControlPlane, Node, cli_env, helper_table, root_site_store, start_in
-from tests.swtpm import SwTpm
+from tests.world import (
+    BIN,
+    JOINED,
+    REFUSED_LINE,
+    ControlPlane,
+    E2EWorld,
+    Node,
+    SwTpm,
+    cli_env,
+    closed_tcti,
+    helper_table,
+    leaf,
+    other_ca_bundle,
+    start_helper,
+    stop_process,
+    tpm_node,
+)
 
 pytestmark = pytest.mark.e2e
-
-JOINED = re.compile(
-    r"^joined as (node_[0-9a-z]{26}) \(site (site_[0-9a-z]{26}), role node\); "
-    r"certificate valid until \S+Z$"
-)
-REFUSED_LINE = "bcd: the control plane refused the join (ACCESS_DENIED: Join refused)\n"
-
-
-def _start(
-    tmp_path: Path, pki_template: Path, ek_ca: Path, extra: Sequence[str] = ()
-) -> tuple[ControlPlane, str, str]:
-    db_url, site, (pool,) = root_site_store(tmp_path, "rack-t1", ("tpm", {}))
-    cp = start_in(
-        tmp_path, pki_template, db_url, ["--tpm-ek-ca", str(ek_ca), "--tpm-pool", pool, *extra]
-    )
-    return cp, site, pool
-
-
-@pytest.fixture
-def own_swtpm(swtpm: SwTpm, tmp_path: Path) -> Iterator[SwTpm]:
-    """A swtpm of this test's own: the test clears it, which the session's must not be
-    (a clear evicts the persistent EKs tests/test_tpm.py looks for). Requesting the
-    session's fixture first checks the tools and silences TSS2_LOG."""
-    tpm = SwTpm.provision(tmp_path / "swtpm")
-    tpm.start()
-    try:
-        yield tpm
-    finally:
-        tpm.stop()
-
-
-@pytest.fixture
-def tpm_control_plane(
-    tmp_path: Path, pki_template: Path, own_swtpm: SwTpm
-) -> Iterator[tuple[ControlPlane, str, str]]:
-    cp, site, pool = _start(tmp_path, pki_template, own_swtpm.ca_bundle)
-    try:
-        yield cp, site, pool
-    finally:
-        cp.stop()
-
-
-def _tpm_node(root: Path, cp: ControlPlane, site: str, swtpm: SwTpm) -> Node:
-    node = Node.make(root, cp, site, write_jwk=False)
-    with node.config.open("a") as f:
-        f.write(f'[tpm]\ntcti = "{swtpm.tcti}"\n')
-    return node
 
 
 def test_a_machine_joins_with_its_tpm_and_reclaims_its_node(
@@ -78,7 +45,7 @@ def test_a_machine_joins_with_its_tpm_and_reclaims_its_node(
 ) -> None:
     swtpm = own_swtpm
     cp, site, pool = tpm_control_plane
-    node = _tpm_node(tmp_path / "node", cp, site, swtpm)
+    node = tpm_node(tmp_path / "node", cp, site, swtpm)
 
     done = node.join(None, "--attestor", "tpm")
 
@@ -154,21 +121,16 @@ def test_a_machine_joins_with_its_tpm_and_reclaims_its_node(
 
 
 def test_an_ek_not_chaining_to_the_bundle_is_refused(
-    tmp_path: Path, pki_template: Path, swtpm: SwTpm
+    tmp_path: Path, e2e: E2EWorld, swtpm: SwTpm
 ) -> None:
-    from tests.test_joinservice_tpm import other_ca_bundle
-
-    cp, site, _pool = _start(tmp_path, pki_template, other_ca_bundle(tmp_path / "other-ca.pem"))
-    try:
-        node = _tpm_node(tmp_path / "node", cp, site, swtpm)
-        done = node.join(None, "--attestor", "tpm")
-        assert done.returncode == 1
-        assert done.stderr == REFUSED_LINE
-        assert not (node.data_dir / "identity.json").exists()
-        reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
-        assert reasons == ["tpm:ek-chain"]
-    finally:
-        cp.stop()
+    cp, site, _pool = e2e.tpm_plane(other_ca_bundle(tmp_path / "other-ca.pem"))
+    node = tpm_node(tmp_path / "node", cp, site, swtpm)
+    done = node.join(None, "--attestor", "tpm")
+    assert done.returncode == 1
+    assert done.stderr == REFUSED_LINE
+    assert not (node.data_dir / "identity.json").exists()
+    reasons = [e["reason"] for e in cp.events(type_="security.join.refused")]
+    assert reasons == ["tpm:ek-chain"]
 
 
 # --- token joins and [tpm] mode ---------------------------------------------------------
@@ -179,15 +141,6 @@ def _token_node(root: Path, cp: ControlPlane, site: str, tpm: str) -> Node:
     with node.config.open("a") as f:
         f.write(tpm)
     return node
-
-
-def _closed_tcti() -> str:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"swtpm:host=127.0.0.1,port={port}"
 
 
 def test_a_token_join_with_tpm_required_makes_the_node_key_in_the_tpm(
@@ -275,7 +228,7 @@ def test_tpm_mode_required_without_a_tpm_fails_before_sending(
 ) -> None:
     cp = sqlite_control_plane
     site, pool = cp.site_and_pool()
-    tcti = _closed_tcti()
+    tcti = closed_tcti()
     node = _token_node(tmp_path / "node", cp, site, f'[tpm]\nmode = "required"\ntcti = "{tcti}"\n')
     token = cp.token(pool)
     done = node.join(token["token"])
@@ -296,60 +249,20 @@ def test_tpm_mode_required_without_a_tpm_fails_before_sending(
 # --- bcd node with a TPM-held key, through bcd helper -------------------------------------
 
 
-def _start_helper(node: Node) -> subprocess.Popen[str]:
-    """`bcd helper` as root (this test runs as root), serving the config's [helper] socket."""
-    from bcd.config import load_config
-
-    cfg = load_config(node.config)
-    assert cfg.helper is not None
-    proc = subprocess.Popen(
-        [str(BIN / "bcd"), "helper", "--config", str(node.config)],
-        env=cli_env(node.root, secret=False),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    deadline = time.monotonic() + 20
-    while not cfg.helper.socket.exists():
-        if proc.poll() is not None:
-            raise AssertionError(f"bcd helper exited: {proc.communicate()}")
-        if time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("bcd helper did not create its socket")
-        time.sleep(0.05)
-    return proc
-
-
-def _stop(proc: subprocess.Popen[str]) -> str:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    _out, err = proc.communicate()
-    return err
-
-
-def _leaf(node: Node) -> pki.LeafInfo:
-    ident = json.loads((node.data_dir / "identity.json").read_text())
-    return pki.leaf_info(pki.load_pem_chain(ident["chain"])[0])
-
-
 def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm(
-    tmp_path: Path, pki_template: Path, own_swtpm: SwTpm
+    tmp_path: Path, e2e: E2EWorld, own_swtpm: SwTpm
 ) -> None:
     """A tpm join under [helper], then `bcd node` (as root here: the venv's interpreter
     lives under /root, which an unprivileged user cannot reach) renews its TPM key with
     the AK's attestation through a real `bcd helper` on the test's own swtpm; once that
     swtpm is cleared, `bcd node` does not load."""
     swtpm = own_swtpm
-    cp, site, _pool = _start(tmp_path, pki_template, swtpm.ca_bundle, ["--cert-ttl-seconds", "10"])
+    cp, site, _pool = e2e.tpm_plane(swtpm.ca_bundle, ["--cert-ttl-seconds", "10"])
     sockdir = Path(tempfile.mkdtemp(prefix="bcd-helper-", dir="/tmp"))
     helper: subprocess.Popen[str] | None = None
     agent: subprocess.Popen[str] | None = None
     try:
-        node = _tpm_node(tmp_path / "node", cp, site, swtpm)
+        node = tpm_node(tmp_path / "node", cp, site, swtpm)
         with node.config.open("a") as f:
             f.write(helper_table("root", sockdir / "run" / "helper.sock", tmp_path / "hostconfig"))
         # swtpm serves one connection at a time: the join opens the TPM itself (root),
@@ -357,12 +270,12 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         done = node.join(None, "--attestor", "tpm")
         assert done.returncode == 0, done.stderr
         node_id = JOINED.match(done.stdout.strip()).group(1)  # type: ignore[union-attr]
-        first = _leaf(node)
+        first = leaf(node)
         (statement,) = first.statements
         assert statement.startswith("urn:bc:tpm-ak:sha256:")
         first_record = NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes())
 
-        helper = _start_helper(node)
+        helper = start_helper(node)
         agent = subprocess.Popen(
             [str(BIN / "bcd"), "node", "--config", str(node.config)],
             env=cli_env(node.root, secret=False),
@@ -373,16 +286,16 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         deadline = time.monotonic() + 30
         # storage writes identity.json, then renames node.key.next over node.key: wait
         # for both steps before reading them
-        while _leaf(node).serial_hex == first.serial_hex or (
+        while leaf(node).serial_hex == first.serial_hex or (
             (node.data_dir / "node.key.next").exists()
         ):
             if agent.poll() is not None:
                 raise AssertionError(f"bcd node exited: {agent.communicate()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no renewal: {_stop(agent)}")
+                raise AssertionError(f"no renewal: {stop_process(agent)}")
             time.sleep(0.1)
         # the new leaf still names the AK; node.key is the next record, pinned to it
-        renewed = _leaf(node)
+        renewed = leaf(node)
         assert renewed.statements == (statement,)
         ident = json.loads((node.data_dir / "identity.json").read_text())
         assert ident["key"] == "tpm"
@@ -396,7 +309,7 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         assert len(certs) >= 2
         assert cp.events(type_="security.renew.refused") == []
         assert agent.poll() is None
-        err = _stop(agent)
+        err = stop_process(agent)
         agent = None
         assert "renewed: certificate" in err, err
         assert "session open" in err, err  # the session's TLS signs through the helper too
@@ -406,10 +319,10 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         assert checks["identity"]["status"] == "ok", checks["identity"]
 
         # a cleared TPM derives another key from node.key: bcd node does not load
-        _stop(helper)
+        stop_process(helper)
         helper = None
         swtpm.clear()
-        helper = _start_helper(node)
+        helper = start_helper(node)
         cleared = node.bcd("node")
         assert cleared.returncode == 1, cleared.stderr
         assert cleared.stderr.strip().endswith(f"agent: {TPM_KEY_MISMATCH}")
@@ -422,29 +335,21 @@ def test_bcd_node_renews_a_tpm_key_through_the_helper_and_fails_on_a_cleared_tpm
         assert len(after) == len(certs)
     finally:
         if agent is not None:
-            _stop(agent)
+            stop_process(agent)
         if helper is not None:
-            _stop(helper)
-        cp.stop()
+            stop_process(helper)
         shutil.rmtree(sockdir, ignore_errors=True)
 
 
 def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
-    tmp_path: Path, pki_template: Path, own_swtpm: SwTpm
+    tmp_path: Path, e2e: E2EWorld, own_swtpm: SwTpm
 ) -> None:
     """A token join with a file key ([tpm] mode = off then), then [tpm] mode = auto under
     [helper]: `bcd node`'s next renewal makes the next key in the TPM through a real
     `bcd helper` (the proof by the file key, over the file key's TLS), and the node
     renews from then on as a TPM node."""
     swtpm = own_swtpm
-    home = tmp_path / "cp"
-    home.mkdir()
-    cp = ControlPlane.start(
-        home,
-        pki_template,
-        f"sqlite:///{tmp_path / 'store.db'}",
-        extra_args=["--cert-ttl-seconds", "10"],
-    )
+    cp = e2e.control_plane(extra_args=["--cert-ttl-seconds", "10"])
     sockdir = Path(tempfile.mkdtemp(prefix="bcd-helper-", dir="/tmp"))
     helper: subprocess.Popen[str] | None = None
     agent: subprocess.Popen[str] | None = None
@@ -461,11 +366,11 @@ def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
         assert done.returncode == 0, done.stderr
         node_id = JOINED.match(done.stdout.strip()).group(1)  # type: ignore[union-attr]
         assert json.loads((node.data_dir / "identity.json").read_text())["key"] == "file"
-        first = _leaf(node)
+        first = leaf(node)
         assert first.statements == ()
 
         node.config.write_text(node.config.read_text().replace('mode = "off"', 'mode = "auto"'))
-        helper = _start_helper(node)
+        helper = start_helper(node)
         agent = subprocess.Popen(
             [str(BIN / "bcd"), "node", "--config", str(node.config)],
             env=cli_env(node.root, secret=False),
@@ -481,7 +386,7 @@ def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
                 if agent.poll() is not None:
                     raise AssertionError(f"bcd node exited: {agent.communicate()}")
                 if time.monotonic() > deadline:
-                    raise AssertionError(f"{what}: {_stop(agent)}")
+                    raise AssertionError(f"{what}: {stop_process(agent)}")
                 time.sleep(0.1)
 
         def tpm_record_after(serial: str) -> NodeKeyRecord | None:
@@ -502,7 +407,7 @@ def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
             lambda: tpm_record_after(first.serial_hex) is not None,
             "the key did not move into the TPM",
         )
-        moved = _leaf(node)
+        moved = leaf(node)
         assert moved.statements == ()  # a token join's leaf names no AK, nor does its renewal
         moved_record = tpm_record_after(first.serial_hex)
         assert moved_record is not None
@@ -517,7 +422,7 @@ def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
             certs = tx.query("SELECT serial FROM node_certs WHERE node_id = ?", (node_id,))
         assert len(certs) >= 3
         assert agent.poll() is None
-        err = _stop(agent)
+        err = stop_process(agent)
         agent = None
         assert err.count("renewed: certificate") >= 2, err
         assert "renewal failed" not in err, err
@@ -528,8 +433,7 @@ def test_bcd_node_moves_a_file_key_into_the_tpm_at_its_next_renewal(
         assert checks["identity"]["status"] == "ok", checks["identity"]
     finally:
         if agent is not None:
-            _stop(agent)
+            stop_process(agent)
         if helper is not None:
-            _stop(helper)
-        cp.stop()
+            stop_process(helper)
         shutil.rmtree(sockdir, ignore_errors=True)

@@ -16,17 +16,25 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from bcd.tpm.record import NodeKeyRecord
-from tests.e2e import ControlPlane, cli_env, helper_table
-from tests.swtpm import SwTpm
 from tests.sysusers import temporary_user
-from tests.test_e2e_tpm import JOINED, _leaf, _start, _start_helper, _stop, _tpm_node
 from tests.unprivileged import UnprivilegedVenv, reachable_by_others
+from tests.world import (
+    JOINED,
+    ControlPlane,
+    E2EWorld,
+    SwTpm,
+    cli_env,
+    helper_table,
+    leaf,
+    start_helper,
+    stop_process,
+    tpm_node,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -46,18 +54,6 @@ while chunk := s.recv(4096):
     data += chunk
 print("answer:", data.decode().strip())
 """
-
-
-@pytest.fixture
-def own_swtpm(swtpm: SwTpm, tmp_path: Path) -> Iterator[SwTpm]:
-    """A swtpm of this test's own (as in tests/test_e2e_tpm.py): the session's serves
-    one connection at a time and other tests use it."""
-    tpm = SwTpm.provision(tmp_path / "swtpm")
-    tpm.start()
-    try:
-        yield tpm
-    finally:
-        tpm.stop()
 
 
 def _groups(user: pwd.struct_passwd) -> list[int]:
@@ -93,11 +89,11 @@ def _probe(venv: UnprivilegedVenv, user: pwd.struct_passwd, home: Path, sock: Pa
 
 
 def test_bcd_node_as_an_unprivileged_user_renews_its_tpm_key_through_the_helper(
-    tmp_path: Path, pki_template: Path, own_swtpm: SwTpm, unprivileged_venv: UnprivilegedVenv
+    tmp_path: Path, e2e: E2EWorld, own_swtpm: SwTpm, unprivileged_venv: UnprivilegedVenv
 ) -> None:
     swtpm = own_swtpm
     venv = unprivileged_venv
-    cp, site, _pool = _start(tmp_path, pki_template, swtpm.ca_bundle, ["--cert-ttl-seconds", "10"])
+    cp, site, _pool = e2e.tpm_plane(swtpm.ca_bundle, ["--cert-ttl-seconds", "10"])
     base = Path(tempfile.mkdtemp(prefix="bcd-unprivileged-node-", dir="/var/tmp"))
     try:
         base.chmod(0o755)
@@ -108,7 +104,6 @@ def test_bcd_node_as_an_unprivileged_user_renews_its_tpm_key_through_the_helper(
             with temporary_user(groups=(group,)) as member:
                 _run(cp, site, swtpm, venv, base, user, member)
     finally:
-        cp.stop()
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -124,7 +119,7 @@ def _run(
     helper: subprocess.Popen[str] | None = None
     agent: subprocess.Popen[str] | None = None
     try:
-        node = _tpm_node(base / "node", cp, site, swtpm)
+        node = tpm_node(base / "node", cp, site, swtpm)
         sock = base / "run" / "helper.sock"
         with node.config.open("a") as f:
             f.write(helper_table(user.pw_name, sock, base / "hostconfig"))
@@ -140,12 +135,12 @@ def _run(
         assert os.stat(node.data_dir).st_uid == 0  # the join leaves the directory root's
         # ...which the service manager hands over (StateDirectory= with User=)
         os.chown(node.data_dir, user.pw_uid, user.pw_gid)
-        first = _leaf(node)
+        first = leaf(node)
         (statement,) = first.statements
         assert statement.startswith("urn:bc:tpm-ak:sha256:")
         first_record = NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes())
 
-        helper = _start_helper(node)
+        helper = start_helper(node)
         st = os.stat(sock)
         assert (st.st_uid, st.st_gid, st.st_mode & 0o777) == (0, user.pw_gid, 0o660)
 
@@ -168,15 +163,15 @@ def _run(
 
         deadline = time.monotonic() + 30
         # identity.json is written before node.key.next is renamed over node.key
-        while _leaf(node).serial_hex == first.serial_hex or (
+        while leaf(node).serial_hex == first.serial_hex or (
             (node.data_dir / "node.key.next").exists()
         ):
             if agent.poll() is not None:
                 raise AssertionError(f"bcd node exited: {agent.communicate()}")
             if time.monotonic() > deadline:
-                raise AssertionError(f"no renewal: {_stop(agent)}")
+                raise AssertionError(f"no renewal: {stop_process(agent)}")
             time.sleep(0.1)
-        renewed = _leaf(node)
+        renewed = leaf(node)
         assert renewed.statements == (statement,)  # the new leaf still names the AK
         record = NodeKeyRecord.from_json((node.data_dir / "node.key").read_bytes())
         assert record.unique != first_record.unique
@@ -197,17 +192,17 @@ def _run(
         }
 
         assert agent.poll() is None
-        err = _stop(agent)
+        err = stop_process(agent)
         agent = None
         assert "renewed: certificate" in err, err
         assert "session open" in err, err
         assert "Traceback" not in err, err
-        helper_err = _stop(helper)
+        helper_err = stop_process(helper)
         helper = None
         assert f"(uid {member.pw_uid}, gid {member.pw_gid}): not the [helper] user" in helper_err
     finally:
         # before the users go: userdel refuses a user that still runs a process
         if agent is not None:
-            _stop(agent)
+            stop_process(agent)
         if helper is not None:
-            _stop(helper)
+            stop_process(helper)

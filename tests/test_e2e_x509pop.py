@@ -9,7 +9,6 @@ import json
 import signal
 import subprocess
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from bcd.identity import parse_time
 from bcd.tpm.device import open_tpm
 from bcd.tpm.nodekey import derive_node_key
 from bcd.tpm.record import NodeKeyRecord
-from tests.e2e import BIN, ControlPlane, Node, cli_env
-from tests.swtpm import SwTpm
+from tests.world import BIN, ControlPlane, E2EWorld, Node, SwTpm, cli_env
 
 pytestmark = pytest.mark.e2e
 
@@ -30,25 +28,17 @@ WINDOW_S = 8
 
 
 @pytest.fixture
-def cp(tmp_path: Path, pki_template: Path) -> Iterator[ControlPlane]:
-    home = tmp_path / "cp"
-    plane = ControlPlane.start(
-        home,
-        pki_template,
-        f"sqlite:///{tmp_path / 'store.db'}",
+def cp(e2e: E2EWorld) -> ControlPlane:
+    return e2e.control_plane(
         extra_args=[
             "--cert-ttl-seconds",
             str(TTL_S),
             "--x509pop-ca",
-            str(home / "pki" / "node-root-ca.crt"),
+            str(e2e.tmp / "cp" / "pki" / "node-root-ca.crt"),
             "--attestor-setting",
             f"x509pop.max_expired_s={WINDOW_S}",
         ],
     )
-    try:
-        yield plane
-    finally:
-        plane.stop()
 
 
 def _identity(node: Node) -> dict[str, object]:
@@ -174,7 +164,7 @@ def test_x509pop_without_an_identity_or_with_reset_says_what_to_do(
     assert not (node.data_dir / "identity.json").exists()
 
 
-def test_serve_refuses_an_unusable_x509pop_setting(tmp_path: Path, pki_template: Path) -> None:
+def test_serve_refuses_an_unusable_x509pop_setting(tmp_path: Path, e2e: E2EWorld) -> None:
     bad = tmp_path / "bad.pem"
     bad.write_text("nope\n")
     for extra in (
@@ -182,10 +172,9 @@ def test_serve_refuses_an_unusable_x509pop_setting(tmp_path: Path, pki_template:
         ["--attestor-setting", "x509pop.max_expired_s=forever"],
     ):
         with pytest.raises(RuntimeError) as info:
-            ControlPlane.start(
-                tmp_path / f"cp{len(extra[1])}",
-                pki_template,
+            e2e.control_plane(
                 f"sqlite:///{tmp_path / f's{len(extra[1])}.db'}",
+                name=f"cp{len(extra[1])}",
                 extra_args=extra,
             )
         assert "x509pop" in str(info.value)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import subprocess
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -13,8 +14,8 @@ import pytest
 
 from bcd import wire
 from control.installscript import InstallScriptError, build_values, render, sh_quote
-from tests.e2e import BIN, ControlPlane, cli_env, run
 from tests.installfixtures import REPO, start_control_plane
+from tests.world import BIN, ControlPlane, cli_env, run
 
 SHA = "ab" * 32
 POOL = "pool_" + "0" * 26
@@ -232,3 +233,21 @@ def test_rotate_join_key_changes_only_the_join_encryption_key(
     assert len(retired) == 1
     assert retired[0].stat().st_mode & 0o777 == 0o600
     assert (tmp_path / "pki" / "join-encryption.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_the_serving_ca_certificate_is_checked_against_its_pin(  # type: ignore[no-untyped-def]
+    pins_and_jwk, memory_pki
+) -> None:
+    from bcd import pki as bcd_pki
+    from control.pki import build_pki
+
+    pem = bcd_pki.cert_pem(memory_pki.serving_ca)
+    values = _values(pins_and_jwk, serving_ca_pem=pem)
+    assert values.serving_ca_pem + "\n" == pem
+    assert f"SERVING_CA_PEM={sh_quote(pem.rstrip())}" in render(values)
+    other = build_pki("td.example", datetime.now(UTC)).serving_ca
+    with pytest.raises(InstallScriptError) as caught:
+        _values(pins_and_jwk, serving_ca_pem=bcd_pki.cert_pem(other))
+    assert str(caught.value) == (
+        "the PKI's serving CA certificate: its SPKI pin is not serving_ca_spki_pin"
+    )

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from bcd.config import HelperConfig, parse_config
-from tests.e2e import BIN, ControlPlane, cli_env
 from tests.installfixtures import (
     HOST_PYTHON,
     REPO,
@@ -29,6 +28,7 @@ from tests.installfixtures import (
     start_control_plane,
 )
 from tests.installsandbox import Sandbox, missing
+from tests.world import BIN, ControlPlane, cli_env
 
 WHY_NOT = missing()
 pytestmark = [
@@ -124,6 +124,10 @@ def test_a_fresh_install_joins_and_a_run_without_a_token_upgrades(
     jwk = sandbox.upper("/etc/bcd/join-encryption.jwk")
     assert _mode_owner(jwk) == (0o644, 0, 0)
     assert json.loads(jwk.read_text()) == cp.well_known()["join"]["encryptionJwk"]
+    # the serving CA certificate, the node's only TLS trust anchor, as the API publishes it
+    serving_ca = sandbox.upper("/etc/bcd/serving-ca.pem")
+    assert _mode_owner(serving_ca) == (0o644, 0, 0)
+    assert serving_ca.read_text() == cp.well_known()["gateway"]["servingCaPem"]
     assert _mode_owner(sandbox.upper("/etc/bcd")) == (0o755, 0, 0)
     # the data directory is the bcd user's; the join handed the identity over to it
     data = sandbox.upper("/var/lib/bcd")

@@ -16,10 +16,11 @@ import trio
 import trio.testing
 
 from bcd import pki, wire
+from bcd.attestor_api import NodeEvidence, NodeJoinContext, hookimpl
 from bcd.config import Config, parse_config
 from bcd.errors import JoinError, PeerVerificationError, RetryableError, TransportError
 from bcd.join import MAX_ATTEMPTS, join, send_with_retries, verify_joined
-from bcd.plugins import NodeEvidence, NodeJoinContext, hookimpl, load_plugins
+from bcd.plugins import load_plugins
 from control.pki import Pki, issue_node_leaf
 
 SITE = "site_" + "a" * 26
@@ -51,7 +52,7 @@ def _signed(memory_pki: Pki, key: pki.ec.EllipticCurvePrivateKey, csr: bytes, **
 
 def _verify(
     memory_pki: Pki, signed: str, key: Any, csr: bytes, role: str = "node"
-) -> dict[str, Any]:
+) -> wire.SignedBody:
     return verify_joined(
         signed,
         signing_pin=memory_pki.pins()["join_signing_key_pin"],
@@ -65,7 +66,8 @@ def test_a_good_answer_verifies(memory_pki: Pki) -> None:
     key = pki.generate_key()
     csr = pki.make_csr(key)
     body = _verify(memory_pki, _signed(memory_pki, key, csr), key, csr)
-    assert body["node_id"] == NODE
+    assert isinstance(body, wire.Issued)
+    assert body.node_id == NODE
 
 
 @pytest.mark.parametrize(

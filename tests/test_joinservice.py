@@ -14,7 +14,6 @@ import json
 import threading
 import time
 import uuid
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -28,208 +27,21 @@ from cryptography.x509.verification import Store as TrustStore
 
 from bcd import pki as bpki
 from bcd import wire
-from bcd.plugins import load_plugins
-from bcd.wire import Claims, JoinRequest
-from control import events, tenancy, tokens
+from bcd.wire import Claims
+from control import tenancy, tokens
+from control.clock import ManualClock
 from control.errors import ControlError, Refused
 from control.ids import new_id, new_secret
 from control.joinservice import JoinService
-from control.pki import Pki
-from control.server import join_crypto
-from control.store import Store
-
-PLUGINS = load_plugins()
-ROOT_ONLY = "root"
-TENANT = "tenant"
-
-
-# --- building what the node sends -------------------------------------------------
-
-
-def machine(n: int, **overrides: Any) -> Claims:
-    """A distinct machine with a trusted hardware key: product UUID, serial, one MAC."""
-    fields: dict[str, Any] = {
-        "product_uuid": str(uuid.UUID(int=(0x4C4C4544 << 96) | (n + 1))),
-        "product_serial": f"SN-{n:04d}",
-        "macs": (f"00:1b:21:{(n >> 8) & 0xFF:02x}:{n & 0xFF:02x}:5e",),
-        "hostname": f"node-{n}",
-        "boot_id": str(uuid.uuid4()),
-    }
-    fields.update(overrides)
-    return Claims(**fields)
-
-
-PLACEHOLDER_CLAIMS = Claims(
-    product_uuid="00000000-0000-0000-0000-000000000000",
-    product_serial="To Be Filled By O.E.M.",
-    board_serial="Default string",
-    chassis_serial="System Serial Number",
-    hostname="localhost",
+from tests.world.joins import (
+    PLACEHOLDER_CLAIMS,
+    PLUGINS,
+    ROOT_ONLY,
+    TENANT,
+    Attempt,
+    World,
+    machine,
 )
-
-
-@dataclass(frozen=True)
-class Attempt:
-    body: bytes
-    key: ec.EllipticCurvePrivateKey
-    csr_der: bytes
-
-
-_SEAL = object()
-
-
-def join_body(
-    token: str | None,
-    encryption_key: ec.EllipticCurvePublicKey,
-    claims: Claims,
-    *,
-    role: str = "node",
-    key: ec.EllipticCurvePrivateKey | None = None,
-    csr_der: bytes | None = None,
-    seal_csr_der: bytes | None = None,
-    iat: int | None = None,
-    sealed: object = _SEAL,
-    node_id: str | None = None,
-) -> Attempt:
-    """A JoinRequest body as bcd builds it (join-token attestor, sent as ``""``).
-
-    ``seal_csr_der`` binds the seal to another CSR, ``iat`` overrides the seal's
-    time, ``sealed`` replaces the sealed token outright (a string or None).
-    """
-    key = key or bpki.generate_key()
-    csr = csr_der if csr_der is not None else bpki.make_csr(key)
-    if sealed is _SEAL:
-        assert token is not None
-        sealed = wire.seal_token(
-            wire.parse_token(token),
-            encryption_key,
-            seal_csr_der if seal_csr_der is not None else csr,
-            int(time.time()) if iat is None else iat,
-        )
-    assert sealed is None or isinstance(sealed, str)
-    request = JoinRequest(
-        role=role,
-        attestor="",
-        sealed_token=sealed,
-        csr_der=csr,
-        claims=claims,
-        evidence={},
-        node_id=node_id,
-        daemon_version="0.1.0-test",
-    )
-    return Attempt(wire.dumps(request.to_json()), key, csr)
-
-
-# --- the world: root tenant, a tenant with a site and a pool ----------------------
-
-
-@dataclass
-class World:
-    store: Store
-    pki: Pki
-    svc: JoinService
-    root: str
-    tenant: str
-    site: str
-    pool: str
-
-    @property
-    def enc(self) -> ec.EllipticCurvePublicKey:
-        return self.pki.join_encryption_key.public_key()
-
-    @property
-    def signing_pin(self) -> str:
-        return self.pki.pins()["join_signing_key_pin"]
-
-    def mint(self, *, tenant: str | None = None, pool: str | None = None, **kw: Any) -> str:
-        kw.setdefault("ttl_s", 3600)
-        with self.store.tx() as tx:
-            created = tokens.create(tx, tenant or self.tenant, pool or self.pool, **kw)
-        return str(created["token"])
-
-    def pool_in(self, tenant: str, site: str, *, agent: str = "bcd", policy: Any = None) -> str:
-        with self.store.tx() as tx:
-            return str(tenancy.create_pool(tx, tenant, site, "p", agent, policy or {})["id"])
-
-    def body(self, token: str | None, claims: Claims, **kw: Any) -> Attempt:
-        return join_body(token, self.enc, claims, **kw)
-
-    def join(self, attempt: Attempt) -> dict[str, Any]:
-        return wire.verify_response(self.svc.join(attempt.body), self.signing_pin)
-
-    def sql(self, statement: str, params: tuple[Any, ...] = ()) -> None:
-        with self.store.tx() as tx:
-            tx.execute(statement, params)
-
-    def rows(self, statement: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-        with self.store.tx() as tx:
-            return tx.query(statement, params)
-
-    def events(self, tenant: str, type_: str) -> list[dict[str, Any]]:
-        with self.store.tx() as tx:
-            return events.list_events(tx, tenant, type_, limit=100_000)
-
-    def snapshot(self) -> tuple[Any, ...]:
-        """Everything a refusal must leave untouched."""
-        return (
-            self.rows("SELECT id, uses_left, revoked_at FROM join_tokens ORDER BY id"),
-            self.rows("SELECT * FROM nodes ORDER BY id"),
-            self.rows("SELECT serial, revoked_at FROM node_certs ORDER BY serial"),
-            self.rows("SELECT id FROM audit ORDER BY id"),
-            self.rows("SELECT id FROM events WHERE type <> 'security.join.refused' ORDER BY id"),
-        )
-
-    def refused(self, attempt: Attempt, reason: str, *, routed_to: str) -> Refused:
-        """Join must be refused for ``reason``; check everything a refusal promises."""
-        tenant = self.root if routed_to == ROOT_ONLY else self.tenant
-        other = self.tenant if routed_to == ROOT_ONLY else self.root
-        before = self.snapshot()
-        seen_before = {e["id"] for e in self.events(tenant, "security.join.refused")}
-        with pytest.raises(Refused) as info:
-            self.svc.join(attempt.body)
-        refusal = info.value
-        assert (refusal.code, refusal.message, str(refusal)) == (
-            "ACCESS_DENIED",
-            "Join refused",
-            "Join refused",
-        )
-        assert refusal.reason == f"join-token:{reason}"
-        assert self.snapshot() == before
-        # events of one millisecond have no defined order: find the new one by id
-        new = [
-            e for e in self.events(tenant, "security.join.refused") if e["id"] not in seen_before
-        ]
-        assert len(new) == 1
-        payload = new[0]["payload"]
-        assert payload == {
-            "attestor": "join-token",
-            "reason": f"join-token:{reason}",
-            "role": json.loads(attempt.body)["role"],
-            "csrSha256": bpki.sha256_hex(attempt.csr_der),
-            "hardwareKey": payload["hardwareKey"],
-            "suppressed": 0,
-        }
-        assert all(
-            e["payload"]["reason"] != f"join-token:{reason}"
-            for e in self.events(other, "security.join.refused")
-        )
-        return refusal
-
-
-@pytest.fixture
-def world(store: Store, memory_pki: Pki) -> World:
-    return make_world(store, memory_pki)
-
-
-def make_world(store: Store, memory_pki: Pki) -> World:
-    """The root tenant, a tenant with a site and a pool, and a JoinService over them."""
-    with store.tx() as tx:
-        root, _ = tenancy.create_tenant(tx, "platform", root=True)
-        tenant, _ = tenancy.create_tenant(tx, "acme")
-        site = tenancy.create_site(tx, tenant, "rack-b7")["id"]
-        pool = tenancy.create_pool(tx, tenant, site, "gpu", "bcd", {})["id"]
-    svc = JoinService(store, join_crypto(memory_pki), PLUGINS)
-    return World(store, memory_pki, svc, root, tenant, site, pool)
 
 
 def token_id(token: str) -> str:
@@ -525,13 +337,11 @@ def test_join_refused_token_revoked(world: World) -> None:
     world.refused(world.body(token, machine(23)), "token-revoked", routed_to=TENANT)
 
 
-def test_join_refused_token_expired(world: World) -> None:
-    token = world.mint()
-    world.sql(
-        "UPDATE join_tokens SET expires_at = ? WHERE id = ?",
-        (int(time.time() * 1000) - 1_000, token_id(token)),
-    )
-    world.refused(world.body(token, machine(24)), "token-expired", routed_to=TENANT)
+def test_join_refused_token_expired(world: World, clock: ManualClock) -> None:
+    token = world.mint()  # for an hour
+    clock.advance(3_600_001)
+    attempt = world.body(token, machine(24), iat=clock.now_ms() // 1000)
+    world.refused(attempt, "token-expired", routed_to=TENANT)
 
 
 def test_join_refused_token_used_up(world: World) -> None:
@@ -814,7 +624,7 @@ def test_body_of_exactly_64_kib_is_still_parsed(world: World) -> None:
 
 
 def test_refusal_events_are_rate_limited_to_60_a_minute_with_suppressed_count(
-    world: World,
+    world: World, clock: ManualClock
 ) -> None:
     attempt = world.body(None, machine(60), sealed="a.b.c.d.e")
     for _ in range(65):
@@ -831,10 +641,7 @@ def test_refusal_events_are_rate_limited_to_60_a_minute_with_suppressed_count(
         world.svc.join(other.body)
     assert len(world.events(world.root, "security.join.refused")) == 61
 
-    world.sql(
-        "UPDATE refusal_windows SET window_start = window_start - 61000 WHERE rate_key = ?",
-        (f"{world.root}|join|join-token:seal-invalid",),
-    )
+    clock.advance(61_000)  # the minute's window is over
 
     def suppressed_counts() -> list[int]:
         got = world.events(world.root, "security.join.refused")
@@ -924,13 +731,19 @@ def test_a_join_asked_again_with_the_same_csr_gets_the_same_identity_and_spends_
     assert world.snapshot() == before  # nothing issued, nothing consumed, no event
 
 
-def test_no_second_answer_once_the_certificate_is_revoked_or_old(world: World) -> None:
+def test_no_second_answer_once_the_certificate_is_revoked_or_old(
+    world: World, clock: ManualClock
+) -> None:
     token = world.mint(max_uses=1)
     attempt = world.body(token, machine(72))
     world.join(attempt)
-    world.sql("UPDATE node_certs SET created_at = created_at - 600001")
-    world.refused(attempt, "token-used-up", routed_to=TENANT)
-    world.sql("UPDATE node_certs SET created_at = created_at + 600001, revoked_at = 1")
+    clock.advance(600_001)  # the same CSR, sealed again now: no longer a lost answer
+    later = world.body(
+        token, machine(72), key=attempt.key, csr_der=attempt.csr_der, iat=clock.now_ms() // 1000
+    )
+    world.refused(later, "token-used-up", routed_to=TENANT)
+    clock.advance(-600_001)  # back within the window, but the certificate is revoked
+    world.sql("UPDATE node_certs SET revoked_at = 1")
     world.refused(attempt, "token-used-up", routed_to=TENANT)
 
 

@@ -6,156 +6,26 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
-from dataclasses import dataclass
-from datetime import UTC, datetime, timedelta
+from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-import pytest
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 
 from bcd import pki as bpki
-from bcd import wire
-from bcd.join import HeldKey
-from bcd.plugins import NodeJoinContext, load_plugins
 from bcd.tpm.ak import certify
 from bcd.tpm.attestation import ak_statement
 from bcd.tpm.device import open_tpm
-from bcd.tpm.nodekey import create_node_key_record, derive_node_key, public_key_of, sign
-from bcd.tpm.record import NodeKeyRecord
+from bcd.tpm.nodekey import public_key_of
 from bcd.tpm.structures import name_of
 from bcd.tpm.templates import node_key_public_area
-from control import tenancy
-from control.errors import Refused
+from control.clock import ManualClock
 from control.joinservice import JoinService
-from control.pki import Pki
-from control.server import join_crypto
-from control.store import Store
 from tests.swtpm import SwTpm
-from tests.test_joinservice import machine
-
-PLUGINS = load_plugins()
-
-
-def other_ca_bundle(path: Path) -> Path:
-    """A self-signed CA that signed no EK certificate, as a PEM bundle."""
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "not the manufacturer")])
-    now = datetime.now(UTC)
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(name)
-        .issuer_name(name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - timedelta(days=1))
-        .not_valid_after(now + timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )
-    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    return path
-
-
-def tpm_key(tcti: str) -> HeldKey:
-    """A node key in the TPM and its CSR, as ``bcd join --attestor tpm`` makes them."""
-    with open_tpm(tcti) as t:
-        record = create_node_key_record()
-        record = record.pinned(derive_node_key(t, record))
-        public = derive_node_key(t, record)
-        csr = bpki.make_csr_with(public, lambda digest: sign(t, record, digest))
-    return HeldKey(public, csr, record.to_dict())
-
-
-@dataclass
-class TpmWorld:
-    store: Store
-    pki: Pki
-    svc: JoinService
-    root: str
-    tenant: str
-    site: str
-    pool: str
-    swtpm: SwTpm
-
-    def ctx(self, key: HeldKey) -> NodeJoinContext:
-        return NodeJoinContext(
-            credential=None,
-            csr_der=key.csr_der,
-            encryption_key=None,
-            now_s=0,
-            role="node",
-            tcti=self.swtpm.tcti,
-            node_key_record=key.record,
-        )
-
-    def request(
-        self, key: HeldKey, rnd: int = 0, answer: dict[str, Any] | None = None, **evidence: Any
-    ) -> bytes:
-        made = PLUGINS.node_evidence("tpm", self.ctx(key))
-        assert made is not None
-        request = wire.JoinRequest(
-            role="node",
-            attestor="tpm",
-            sealed_token=None,
-            csr_der=key.csr_der,
-            claims=machine(7),
-            evidence=made.evidence | evidence,
-            node_id=None,
-            daemon_version="0.1.0-test",
-            round=rnd,
-            answer=answer,
-        )
-        return wire.dumps(request.to_json())
-
-    def send(self, body: bytes) -> dict[str, Any]:
-        return wire.verify_response(self.svc.join(body), self.pki.pins()["join_signing_key_pin"])
-
-    def challenge(self, key: HeldKey) -> dict[str, Any]:
-        body = self.send(self.request(key))
-        assert body["kind"] == "challenge"
-        return body
-
-    def answer(self, key: HeldKey, challenge: dict[str, Any]) -> dict[str, Any]:
-        answer = PLUGINS.node_answer("tpm", challenge["challenge"], self.ctx(key))
-        assert answer is not None
-        return answer
-
-    def refused(self, body: bytes, reason: str) -> None:
-        nodes_before = self.rows("SELECT id, identity_generation FROM nodes ORDER BY id")
-        with pytest.raises(Refused) as info:
-            self.svc.join(body)
-        assert (info.value.code, info.value.message) == ("ACCESS_DENIED", "Join refused")
-        assert info.value.reason == f"tpm:{reason}"
-        assert self.rows("SELECT id, identity_generation FROM nodes ORDER BY id") == nodes_before
-
-    def rows(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-        with self.store.tx() as tx:
-            return tx.query(sql, params)
-
-    def with_settings(self, **settings: str) -> JoinService:
-        base = {"tpm.pool": self.pool}
-        return JoinService(self.store, self.svc.crypto, PLUGINS, base | settings)
-
-
-@pytest.fixture
-def tw(store: Store, memory_pki: Pki, swtpm: SwTpm) -> TpmWorld:
-    with store.tx() as tx:
-        root, _ = tenancy.create_tenant(tx, "platform", root=True)
-        tenant, _ = tenancy.create_tenant(tx, "acme")
-        site = tenancy.create_site(tx, tenant, "rack-t")["id"]
-        pool = tenancy.create_pool(tx, tenant, site, "tpm", "bcd", {})["id"]
-    settings = {"tpm.ek_ca": str(swtpm.ca_bundle), "tpm.pool": pool}
-    svc = JoinService(store, join_crypto(memory_pki), PLUGINS, settings)
-    return TpmWorld(store, memory_pki, svc, root, tenant, site, pool, swtpm)
+from tests.world import other_ca_bundle
+from tests.world.joins import PLUGINS, TpmWorld, tpm_key
 
 
 def test_the_name_of_a_csr_key_is_the_tpm_name(swtpm: SwTpm) -> None:
     key = tpm_key(swtpm.tcti)
-    record = NodeKeyRecord.from_dict(key.record)
+    record = key.key_record
     with open_tpm(swtpm.tcti) as t:
         derived = public_key_of(t, record)
     csr_key = bpki.csr_public_key(bpki.parse_csr(key.csr_der))
@@ -163,7 +33,7 @@ def test_the_name_of_a_csr_key_is_the_tpm_name(swtpm: SwTpm) -> None:
     assert name_of(node_key_public_area(csr_key)) == derived.name
 
 
-def test_a_tpm_join_answers_a_challenge_then_admits(tw: TpmWorld) -> None:
+def test_a_tpm_join_answers_a_challenge_then_admits(tw: TpmWorld, clock: ManualClock) -> None:
     key = tpm_key(tw.swtpm.tcti)
     challenge = tw.challenge(key)
     assert challenge["attestor"] == "tpm"
@@ -196,8 +66,7 @@ def test_a_tpm_join_answers_a_challenge_then_admits(tw: TpmWorld) -> None:
     again = tw.send(tw.request(key, 1, answer))
     assert (again["node_id"], again["chain"]) == (body["node_id"], body["chain"])
     # once that is no longer a lost answer, the spent challenge refuses it
-    with tw.store.tx() as tx:
-        tx.execute("UPDATE node_certs SET created_at = created_at - 600001")
+    clock.advance(600_001)
     tw.refused(tw.request(key, 1, answer), "challenge-used")
 
 
@@ -209,11 +78,10 @@ def test_a_wrong_secret_is_refused(tw: TpmWorld) -> None:
     tw.refused(tw.request(key, 1, answer | {"id": "jc_unknown"}), "activation")
 
 
-def test_an_expired_challenge_is_refused(tw: TpmWorld) -> None:
+def test_an_expired_challenge_is_refused(tw: TpmWorld, clock: ManualClock) -> None:
     key = tpm_key(tw.swtpm.tcti)
     answer = tw.answer(key, tw.challenge(key))
-    with tw.store.tx() as tx:
-        tx.execute("UPDATE join_challenges SET not_after = ?", (tx.now_ms() - 1,))
+    clock.advance(60_001)  # a challenge lasts a minute
     tw.refused(tw.request(key, 1, answer), "challenge-expired")
 
 
@@ -222,7 +90,7 @@ def test_a_certify_of_another_key_is_refused(tw: TpmWorld) -> None:
     challenge = tw.challenge(key)
     answer = tw.answer(key, challenge)
     # the AK certifies another TPM key over the same CSR digest
-    other = NodeKeyRecord.from_dict(tpm_key(tw.swtpm.tcti).record)
+    other = tpm_key(tw.swtpm.tcti).key_record
     with open_tpm(tw.swtpm.tcti) as t:
         attest, sig = certify(t, other, hashlib.sha256(key.csr_der).digest())
     crafted = answer | {

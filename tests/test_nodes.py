@@ -20,18 +20,12 @@ from control.api import App
 from control.errors import ControlError, Refused
 from control.http import Request
 from control.joinservice import JoinService
-from control.pki import Pki, load_pki
+from control.pki import load_pki
 from control.renewal import peer_status
 from control.server import join_crypto
-from control.store import Store
-from tests.e2e import SECRET, ControlPlane
-from tests.test_joinservice import join_body, machine
-from tests.test_renewal import PLUGINS, ROOT, Env, make_env
-
-
-@pytest.fixture
-def env(store: Store, memory_pki: Pki) -> Env:
-    return make_env(store, memory_pki)
+from tests.world import SECRET, ControlPlane
+from tests.world.joins import PLUGINS, join_body, machine
+from tests.world.renewals import ROOT, Env
 
 
 def revoked_events(env: Env, tenant: str | None = None) -> list[dict[str, Any]]:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -34,9 +33,10 @@ from bcd.errors import (
     RetryableError,
     TransportError,
 )
-from bcd.httpclient import Response
-from bcd.identity import LoadedState, load_state, make_identity, persist_join
+from bcd.gatewayanswer import Response
+from bcd.identity import LoadedState, load_state
 from bcd.keys.file import key_to_pem, load_key_pem
+from bcd.keys.node import FileKey
 from bcd.renew import (
     BACKOFF_MAX_S,
     OLD_KEY_HOLD_S,
@@ -51,120 +51,12 @@ from bcd.renew import (
     renewal_task,
 )
 from control import http
-from control.pki import Pki, issue_node_leaf, make_gateway_cert, server_ssl_context
+from control.pki import Pki, make_gateway_cert, server_ssl_context
+from tests.world.agent import NODE, SITE, T0, TTL_S, FakeGateway, at, joined_state, pin, wall
 
-SITE = "site_" + "a" * 26
-NODE = "node_" + "b" * 26
 OTHER_NODE = "node_" + "c" * 26
 OTHER_SITE = "site_" + "d" * 26
-TTL_S = 3600
-T0 = float(int(time.time()))
 LOG = logging.getLogger("bcd.test.renew")
-
-
-def wall() -> float:
-    """Unix seconds tied to trio's clock: T0 when the (mock) clock reads 0."""
-    return T0 + trio.current_time()
-
-
-def at(seconds: float) -> datetime:
-    return datetime.fromtimestamp(seconds, UTC)
-
-
-def joined_state(
-    data_dir: Path, memory_pki: Pki, now: float, *, role: str = "node", ttl_s: int = TTL_S
-) -> LoadedState:
-    """A node joined at ``now`` (unix seconds), stored in ``data_dir`` and loaded."""
-    key = pki.generate_key()
-    spiffe = pki.SpiffeId("td.example", SITE, NODE)
-    leaf = issue_node_leaf(memory_pki, key.public_key(), spiffe, role, (), at(now), ttl_s)
-    identity = make_identity(
-        chain=pki.cert_pem(leaf) + memory_pki.chain_tail_pem(),
-        bundle=memory_pki.bundle_pem(),
-        trust_version=1,
-        server_time="2025-01-01T00:00:00Z",
-        key="file",
-        identity_generation=1,
-    )
-    persist_join(data_dir, identity, key_to_pem(key), at(now))
-    state = load_state(data_dir)
-    assert state is not None
-    return state
-
-
-@dataclass
-class FakeGateway:
-    """Checks a RenewRequest as JoinService would and answers with a real signed leaf.
-
-    ``failures`` are raised first, one per call. ``tamper`` changes the answer:
-    ``signer``, ``csr_sha256``, ``spiffe``, ``role``, ``leaf_key``, ``kind``.
-    """
-
-    memory_pki: Pki
-    data_dir: Path
-    ttl_s: int = TTL_S
-    failures: list[BaseException] = field(default_factory=list)
-    tamper: dict[str, Any] = field(default_factory=dict)
-    calls: list[float] = field(default_factory=list)  # wall time of each call
-    senders: list[LoadedState] = field(default_factory=list)  # the state each was made from
-    requests: list[wire.RenewRequest] = field(default_factory=list)
-    next_key_at_send: list[bytes] = field(default_factory=list)
-    issued: list[x509.Certificate] = field(default_factory=list)  # the leaves it answered with
-    on_call: Callable[[int], None] | None = None
-    clock: Callable[[], float] = wall
-
-    def factory(self, state: LoadedState) -> Callable[[bytes], Any]:
-        """The sender ``renewal_task`` builds from ``state`` (its TLS identity)."""
-        self.senders.append(state)
-        return functools.partial(self.send, state.leaf)
-
-    async def send(self, peer: x509.Certificate, body: bytes) -> str:
-        """Answer ``body`` from a caller whose (mutual TLS) certificate is ``peer``."""
-        wall = self.clock
-        self.calls.append(wall())
-        if self.on_call is not None:
-            self.on_call(len(self.calls))
-        self.next_key_at_send.append((self.data_dir / "node.key.next").read_bytes())
-        if self.failures:
-            raise self.failures.pop(0)
-        req = wire.parse_renew_request(wire.loads_object(body))
-        self.requests.append(req)
-        # What JoinService checks: the presented leaf is the caller's, the proof
-        # verifies under the current key, the client time is close.
-        assert pki.load_pem_chain(req.chain)[0] == peer
-        current = pki.load_pem_chain(req.chain)[0]
-        info = pki.leaf_info(current)
-        current_key = current.public_key()
-        assert isinstance(current_key, pki.ec.EllipticCurvePublicKey)
-        message = pki.renew_pop_message(req.csr_der, info.spiffe.node_id, req.client_time_ms)
-        pki.verify_p1363(current_key, req.pop_sig, message)
-        assert abs(req.client_time_ms / 1000 - wall()) < 1
-        csr = pki.parse_csr(req.csr_der)
-        spiffe = self.tamper.get("spiffe", info.spiffe)
-        role = self.tamper.get("role", info.role)
-        leaf_key = self.tamper.get("leaf_key", pki.csr_public_key(csr))
-        leaf = issue_node_leaf(self.memory_pki, leaf_key, spiffe, role, (), at(wall()), self.ttl_s)
-        self.issued.append(leaf)
-        answer = {
-            "kind": self.tamper.get("kind", "renewed"),
-            "node_id": spiffe.node_id,
-            "site_id": spiffe.site_id,
-            "role": role,
-            "trust_domain": spiffe.trust_domain,
-            "chain": pki.cert_pem(leaf) + self.memory_pki.chain_tail_pem(),
-            "bundle": self.memory_pki.bundle_pem(),
-            "trust_version": 2,
-            "csr_sha256": self.tamper.get("csr_sha256", pki.sha256_hex(req.csr_der)),
-            "server_time": int(wall() * 1000),
-            "identity_generation": 1,
-        }
-        return wire.sign_response(
-            answer, self.tamper.get("signer", self.memory_pki.join_signing_key)
-        )
-
-
-def pin(memory_pki: Pki) -> str:
-    return memory_pki.pins()["join_signing_key_pin"]
 
 
 # --- pure parts -------------------------------------------------------------------
@@ -319,7 +211,7 @@ async def test_a_failed_store_that_did_land_is_adopted(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The rename failed after identity.json was written: the settled disk is the renewal."""
-    from bcd import identity as identity_mod
+    from bcd import identitystore as identity_mod
 
     state = joined_state(tmp_path, memory_pki, wall())
     real_rename = identity_mod.os.rename
@@ -505,7 +397,7 @@ async def test_a_store_failure_the_disk_survived_is_adopted_by_the_task(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """The rename failed and the settling right after it too: the task settles it later."""
-    from bcd import identity as identity_mod
+    from bcd import identitystore as identity_mod
     from bcd import renew as renew_mod
 
     first = joined_state(tmp_path, memory_pki, wall())
@@ -606,13 +498,13 @@ async def test_the_old_key_is_unloaded_5_minutes_after_a_renewal(
         nursery.start_soon(functools.partial(_run, holder, gateway, memory_pki, old_keys=old_keys))
         await holder.changed.wait()
         renewed_at = holder.history[0][0]
-        assert old_keys.keys() == (first.key,)
+        assert old_keys.keys() == (FileKey(first.key),)
         await trio.sleep_until(renewed_at + OLD_KEY_HOLD_S - 0.5)
         assert len(old_keys) == 1
         await trio.sleep_until(renewed_at + OLD_KEY_HOLD_S + 0.5)
         assert len(old_keys) == 0
         nursery.cancel_scope.cancel()
-    assert unloaded == [(renewed_at + OLD_KEY_HOLD_S, first.key)]
+    assert unloaded == [(renewed_at + OLD_KEY_HOLD_S, FileKey(first.key))]
     assert OLD_KEY_HOLD_S == 300
 
 

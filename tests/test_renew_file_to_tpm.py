@@ -36,7 +36,7 @@ from bcd.renew import renew_once, renewal_task
 from bcd.tpm.record import NodeKeyRecord
 from control.pki import Pki
 from tests.swtpm import SwTpm
-from tests.test_renew import TTL_S, FakeGateway, joined_state, pin, wall
+from tests.world.agent import TTL_S, FakeGateway, joined_state, pin, wall
 
 LOG = logging.getLogger("bcd.test.renew_file_to_tpm")
 

@@ -14,7 +14,7 @@ import base64
 import json
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -25,15 +25,11 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki as bpki
 from bcd import wire
-from bcd.plugins import load_plugins
-from control import events, nodes, tenancy, tokens
+from control import nodes
+from control.clock import ManualClock
 from control.errors import ControlError
 from control.joinservice import (
-    JoinCrypto,
     JoinService,
-    NoticeSigner,
-    issue_recorded_leaf,
-    notice_signer,
 )
 from control.pki import Pki
 from control.renewal import (
@@ -45,236 +41,12 @@ from control.renewal import (
     proof_sha256,
     revoked_since,
 )
-from control.server import join_crypto
 from control.store import Store
-from tests.test_joinservice import join_body, machine
+from tests.world.joins import PLUGINS
+from tests.world.renewals import OWNER, ROOT, Env, NodeId, RenewAttempt, make_env
 
-PLUGINS = load_plugins()
-ROOT = "root"
-OWNER = "owner"
 AK = "urn:bc:tpm-ak:sha256:" + "ab" * 32
 _P256_N = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551
-
-
-@dataclass(frozen=True)
-class NodeId:
-    """What bcd holds: its node id, site, key and chain."""
-
-    node_id: str
-    site_id: str
-    key: ec.EllipticCurvePrivateKey
-    chain: str
-
-    @property
-    def leaf(self) -> x509.Certificate:
-        return bpki.load_pem_chain(self.chain)[0]
-
-    @property
-    def der(self) -> bytes:
-        return self.leaf.public_bytes(serialization.Encoding.DER)
-
-    @property
-    def serial(self) -> str:
-        return format(self.leaf.serial_number, "x")
-
-
-@dataclass(frozen=True)
-class RenewAttempt:
-    body: bytes
-    key: ec.EllipticCurvePrivateKey
-    csr_der: bytes
-
-
-@dataclass
-class Env:
-    store: Store
-    pki: Pki
-    crypto: JoinCrypto
-    joins: JoinService
-    renewals: RenewService
-    root: str
-    tenant: str
-    site: str
-    pool: str
-    tenant_credential: str = ""
-    root_credential: str = ""
-
-    @property
-    def sign(self) -> NoticeSigner:
-        """Signs RevocationNotices as the API does (the join-signing key)."""
-        return notice_signer(self.pki.join_signing_key)
-
-    @property
-    def pin(self) -> str:
-        return self.pki.pins()["join_signing_key_pin"]
-
-    def mint(self, **kw: Any) -> str:
-        kw.setdefault("ttl_s", 3600)
-        with self.store.tx() as tx:
-            return str(tokens.create(tx, self.tenant, self.pool, **kw)["token"])
-
-    def join(self, n: int, **kw: Any) -> NodeId:
-        attempt = join_body(self.mint(**kw), self.pki.join_encryption_key.public_key(), machine(n))
-        body = wire.verify_response(self.joins.join(attempt.body), self.pin)
-        return NodeId(body["node_id"], body["site_id"], attempt.key, body["chain"])
-
-    def body(
-        self,
-        node: NodeId,
-        *,
-        csr_der: bytes | None = None,
-        client_time: int | None = None,
-        sign_with: ec.EllipticCurvePrivateKey | None = None,
-        pop_node_id: str | None = None,
-        pop_sig: bytes | None = None,
-        chain: str | None = None,
-        key_attestation: dict[str, Any] | None = None,
-    ) -> RenewAttempt:
-        """A RenewRequest body as bcd builds it; each keyword bends one part."""
-        key = bpki.generate_key()
-        csr = csr_der if csr_der is not None else bpki.make_csr(key)
-        t = int(time.time() * 1000) if client_time is None else client_time
-        message = bpki.renew_pop_message(csr, pop_node_id or node.node_id, t)
-        sig = pop_sig if pop_sig is not None else bpki.sign_p1363(sign_with or node.key, message)
-        request = wire.RenewRequest(
-            csr, node.chain if chain is None else chain, t, sig, key_attestation
-        )
-        return RenewAttempt(wire.dumps(request.to_json()), key, csr)
-
-    def renew_raw(self, attempt: RenewAttempt, peer: bytes | None) -> dict[str, Any]:
-        return wire.verify_response(self.renewals.renew(attempt.body, peer), self.pin)
-
-    def renew(self, node: NodeId, **kw: Any) -> NodeId:
-        attempt = self.body(node, **kw)
-        body = self.renew_raw(attempt, node.der)
-        return NodeId(body["node_id"], body["site_id"], attempt.key, body["chain"])
-
-    def rows(self, statement: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
-        with self.store.tx() as tx:
-            return tx.query(statement, params)
-
-    def sql(self, statement: str, params: tuple[Any, ...] = ()) -> None:
-        with self.store.tx() as tx:
-            tx.execute(statement, params)
-
-    def now_ms(self) -> int:
-        with self.store.tx() as tx:
-            return tx.now_ms()
-
-    def events(self, tenant: str, type_: str) -> list[dict[str, Any]]:
-        with self.store.tx() as tx:
-            return events.list_events(tx, tenant, type_, limit=100_000)
-
-    def snapshot(self) -> tuple[Any, ...]:
-        """Everything a refusal must leave untouched."""
-        return (
-            self.rows("SELECT * FROM nodes ORDER BY id"),
-            self.rows("SELECT serial, revoked_at FROM node_certs ORDER BY serial"),
-            self.rows("SELECT * FROM renewals ORDER BY serial"),
-            self.rows("SELECT * FROM renew_proofs ORDER BY proof_sha256"),
-            self.rows("SELECT id FROM audit ORDER BY id"),
-            self.rows("SELECT id FROM events WHERE type <> 'security.renew.refused' ORDER BY id"),
-        )
-
-    def refused(
-        self,
-        attempt: RenewAttempt,
-        peer: bytes | None,
-        reason: str,
-        *,
-        routed_to: str,
-        node: NodeId | None = None,
-        owner: str | None = None,
-    ) -> RenewRefused:
-        """Renew must be refused for ``reason``; check everything a refusal promises.
-
-        ``node`` is the node the presented leaf belongs to (None: the leaf is not
-        ours), ``owner`` its tenant when not ``self.tenant``.
-        """
-        owner = owner or self.tenant
-        tenant = self.root if routed_to == ROOT else owner
-        other = owner if routed_to == ROOT else self.root
-        before = self.snapshot()
-        seen = {e["id"] for e in self.events(tenant, "security.renew.refused")}
-        with pytest.raises(RenewRefused) as info:
-            self.renewals.renew(attempt.body, peer)
-        refusal = info.value
-        assert (refusal.code, refusal.message, str(refusal)) == (
-            "ACCESS_DENIED",
-            "Renew refused",
-            "Renew refused",
-        )
-        assert refusal.reason == reason
-        assert self.snapshot() == before
-        new = [e for e in self.events(tenant, "security.renew.refused") if e["id"] not in seen]
-        assert len(new) == 1
-        expected: dict[str, Any] = {
-            "reason": reason,
-            "csrSha256": bpki.sha256_hex(attempt.csr_der),
-            "suppressed": 0,
-        }
-        if node is not None:
-            expected |= {"nodeId": node.node_id, "serial": node.serial}
-        assert new[0]["payload"] == expected
-        if other != tenant:
-            assert all(
-                e["payload"]["reason"] != reason
-                for e in self.events(other, "security.renew.refused")
-            )
-        return refusal
-
-    def issue_extra(
-        self,
-        node: NodeId,
-        statements: tuple[str, ...] = (),
-        allowed_kinds: tuple[str, ...] = (),
-    ) -> NodeId:
-        """Record another leaf for ``node`` (as a tpm join or an attestor would issue)."""
-        key = bpki.generate_key()
-        with self.store.tx() as tx:
-            (gen,) = tx.query(
-                "SELECT identity_generation, role FROM nodes WHERE id = ?", (node.node_id,)
-            )
-            leaf, _ = issue_recorded_leaf(
-                tx,
-                self.crypto,
-                key.public_key(),
-                bpki.SpiffeId(self.pki.trust_domain, node.site_id, node.node_id),
-                gen["role"],
-                statements,
-                allowed_kinds,
-                int(gen["identity_generation"]),
-            )
-        return NodeId(
-            node.node_id, node.site_id, key, bpki.cert_pem(leaf) + self.pki.chain_tail_pem()
-        )
-
-
-def make_env(store: Store, memory_pki: Pki) -> Env:
-    with store.tx() as tx:
-        root, root_cred = tenancy.create_tenant(tx, "platform", root=True)
-        tenant, cred = tenancy.create_tenant(tx, "acme")
-        site = tenancy.create_site(tx, tenant, "rack-b7")["id"]
-        pool = tenancy.create_pool(tx, tenant, site, "gpu", "bcd", {})["id"]
-    crypto = join_crypto(memory_pki)
-    return Env(
-        store,
-        memory_pki,
-        crypto,
-        JoinService(store, crypto, PLUGINS),
-        RenewService(store, crypto),
-        root,
-        tenant,
-        site,
-        pool,
-        cred,
-        root_cred,
-    )
-
-
-@pytest.fixture
-def env(store: Store, memory_pki: Pki) -> Env:
-    return make_env(store, memory_pki)
 
 
 def csr_with_names(key: ec.EllipticCurvePrivateKey, *uris: str) -> bytes:
@@ -435,10 +207,11 @@ def test_refused_leaf_revoked(env: Env) -> None:
     env.refused(env.body(node), node.der, "leaf-revoked", routed_to=ROOT, node=node)
 
 
-def test_refused_leaf_expired(env: Env) -> None:
+def test_refused_leaf_expired(env: Env, clock: ManualClock) -> None:
     node = env.join(15)
-    env.sql("UPDATE node_certs SET not_after = ? WHERE serial = ?", (env.now_ms() - 1, node.serial))
-    env.refused(env.body(node), node.der, "leaf-expired", routed_to=ROOT, node=node)
+    clock.advance(86_400_001)  # a day and a millisecond: the leaf's lifetime is over
+    attempt = env.body(node, client_time=clock.now_ms())
+    env.refused(attempt, node.der, "leaf-expired", routed_to=ROOT, node=node)
 
 
 def test_refused_leaf_expired_for_a_certificate_that_really_expired(
@@ -535,11 +308,11 @@ def test_refused_pop_replay_within_120_seconds_and_accepted_after(env: Env) -> N
     assert proof["used_at"] >= env.now_ms() - 10_000
 
 
-def test_stale_proofs_are_pruned_at_the_next_renewal(env: Env) -> None:
+def test_stale_proofs_are_pruned_at_the_next_renewal(env: Env, clock: ManualClock) -> None:
     node = env.join(25)
-    renewed = env.renew(node)
-    env.sql("UPDATE renew_proofs SET used_at = used_at - 121000")
-    env.renew(renewed)
+    renewed = env.renew(node, client_time=clock.now_ms())
+    clock.advance(121_000)  # past the replay window
+    env.renew(renewed, client_time=clock.now_ms())
     assert len(env.rows("SELECT * FROM renew_proofs")) == 1
 
 
@@ -662,20 +435,21 @@ def test_missing_join_crypto_is_invalid_config(env: Env) -> None:
 # --- the rate limit --------------------------------------------------------------------
 
 
-def test_the_seventh_renewal_within_an_hour_gets_a_pushback(env: Env) -> None:
+def test_the_seventh_renewal_within_an_hour_gets_a_pushback(env: Env, clock: ManualClock) -> None:
     node = env.join(40)
     with env.store.tx() as tx:
         assert check_renew_rate(tx, node.node_id) is None
     current = node
-    for _ in range(RENEWALS_PER_HOUR):
-        current = env.renew(current)
+    for _ in range(RENEWALS_PER_HOUR):  # a second apart
+        current = env.renew(current, client_time=clock.now_ms())
+        clock.advance(1_000)
     with env.store.tx() as tx:
         pushback = check_renew_rate(tx, node.node_id)
     assert pushback is not None
     assert 3_500_000 < pushback <= 3_600_000
     before = env.snapshot()
     with pytest.raises(ControlError) as info:
-        env.renewals.renew(env.body(current).body, current.der)
+        env.renewals.renew(env.body(current, client_time=clock.now_ms()).body, current.der)
     assert info.value.code == "RESOURCE_EXHAUSTED"
     assert not isinstance(info.value, RenewRefused)
     assert info.value.retry_after_ms is not None
@@ -683,20 +457,12 @@ def test_the_seventh_renewal_within_an_hour_gets_a_pushback(env: Env) -> None:
     assert env.snapshot() == before
     # another node is not held back
     other = env.join(41)
-    env.renew(other)
+    env.renew(other, client_time=clock.now_ms())
     # the window slides: once the oldest renewal is an hour old, one more is allowed
-    # (exactly one row, by its key: two renewals may share a millisecond)
-    (oldest,) = env.rows(
-        "SELECT serial FROM renewals WHERE node_id = ? ORDER BY renewed_at, serial LIMIT 1",
-        (node.node_id,),
-    )
-    env.sql(
-        "UPDATE renewals SET renewed_at = renewed_at - 3600000 WHERE serial = ?",
-        (oldest["serial"],),
-    )
+    clock.advance(3_600_000 - RENEWALS_PER_HOUR * 1_000)
     with env.store.tx() as tx:
         assert check_renew_rate(tx, node.node_id) is None
-    env.renew(current)
+    env.renew(current, client_time=clock.now_ms())
     with env.store.tx() as tx:
         assert check_renew_rate(tx, node.node_id) is not None
     # renewals older than an hour were pruned by that renewal
@@ -762,7 +528,7 @@ def test_ten_renewals_at_once_stay_within_six_an_hour(env: Env) -> None:
 # --- for the gateway ------------------------------------------------------------------
 
 
-def test_peer_status_names_a_live_node_certificate_only(env: Env) -> None:
+def test_peer_status_names_a_live_node_certificate_only(env: Env, clock: ManualClock) -> None:
     node = env.join(50)
     other = env.join(51)
     with env.store.tx() as tx:
@@ -779,15 +545,14 @@ def test_peer_status_names_a_live_node_certificate_only(env: Env) -> None:
     )
     with env.store.tx() as tx:
         assert peer_status(tx, stray.public_bytes(serialization.Encoding.DER)) is None
-    env.sql("UPDATE node_certs SET not_after = ? WHERE serial = ?", (env.now_ms() - 1, node.serial))
+    issued = clock.now_ms()
+    clock.advance(86_400_001)  # after its not_after
     with env.store.tx() as tx:
         assert peer_status(tx, node.der) is None
-    env.sql(
-        "UPDATE node_certs SET not_before = ?, not_after = ? WHERE serial = ?",
-        (env.now_ms() + 60_000, env.now_ms() + 3_600_000, node.serial),
-    )
+    clock.set(issued - 62_000)  # before its not_before (60 s back, in whole seconds)
     with env.store.tx() as tx:
         assert peer_status(tx, node.der) is None
+    clock.set(issued)
     with env.store.tx() as tx:
         nodes.revoke_identity(tx, env.tenant, other.node_id, env.sign)
         assert peer_status(tx, other.der) is None

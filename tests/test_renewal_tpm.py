@@ -19,15 +19,8 @@ from bcd.tpm.nodekey import public_key_of, sign
 from bcd.tpm.record import create_node_key_record
 from bcd.tpm.structures import name_of
 from bcd.tpm.templates import node_key_public_area
-from control.pki import Pki
-from control.store import Store
 from tests.swtpm import SwTpm
-from tests.test_renewal import OWNER, Env, make_env
-
-
-@pytest.fixture
-def env(store: Store, memory_pki: Pki) -> Env:
-    return make_env(store, memory_pki)
+from tests.world.renewals import OWNER, Env
 
 
 def _tpm_renewal(

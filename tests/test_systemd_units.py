@@ -295,7 +295,7 @@ def test_bcd_node_is_ready_once_its_identity_loaded(
     sqlite_control_plane,
     tmp_path: Path,  # type: ignore[no-untyped-def]
 ) -> None:
-    from tests.e2e import BIN, Node, cli_env
+    from tests.world import BIN, Node, cli_env
 
     cp = sqlite_control_plane
     site, pool = cp.site_and_pool()

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from control import events, tenancy, tokens
+from control.clock import ManualClock
 from control.errors import ControlError
 from control.store import Store
 
@@ -259,13 +260,15 @@ def test_list_never_shows_a_secret(world: World) -> None:
     assert "nextPageToken" not in listed
 
 
-def test_list_hides_revoked_expired_and_used_up_unless_include_inactive(world: World) -> None:
+def test_list_hides_revoked_expired_and_used_up_unless_include_inactive(
+    world: World, clock: ManualClock
+) -> None:
     live = world.create()["id"]
     revoked = world.create()["id"]
-    expired = world.create()["id"]
+    expired = world.create(ttl_s=60)["id"]
     used_up = world.create()["id"]
     world.revoke(revoked)
-    world.sql("UPDATE join_tokens SET expires_at = created_at - 1 WHERE id = ?", (expired,))
+    clock.advance(60_001)  # the minute's token expired; the others last an hour
     world.sql("UPDATE join_tokens SET uses_left = 0 WHERE id = ?", (used_up,))
     world.create(pool=world.pool2)  # another pool's token is never listed here
 

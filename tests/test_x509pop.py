@@ -24,16 +24,18 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from attestors import x509pop
 from bcd import pki as bpki
 from bcd import wire
-from bcd.plugins import Admit, NodeJoinContext, hookimpl, load_plugins
+from bcd.attestor_api import Admit, NodeJoinContext, hookimpl
+from bcd.plugins import load_plugins
 from bcd.rejoin import sign_digest_p1363
 from control import events, tenancy, tokens
+from control.clock import ManualClock
 from control.errors import Refused
 from control.joinservice import JoinService, issue_recorded_leaf
 from control.pki import Pki, build_pki, issue_node_leaf
 from control.server import join_crypto
 from control.store import Store
-from tests.test_joinservice import join_body, machine
-from tests.test_joinservice_tpm import other_ca_bundle
+from tests.world import other_ca_bundle
+from tests.world.joins import join_body, machine
 
 PLUGINS = load_plugins()
 HOUR = timedelta(hours=1)
@@ -515,20 +517,20 @@ def test_refused_into_a_pool_whose_policy_does_not_list_x509pop(env: Env) -> Non
     assert body["node_id"] == held.node_id
 
 
-def test_refused_a_used_challenge(env: Env) -> None:
+def test_refused_a_used_challenge(env: Env, clock: ManualClock) -> None:
     held = env.token_join(17)
     csr = bpki.make_csr(bpki.generate_key())
     answer = env.answer(held, csr, env.challenge(held, csr))
     assert env.send(env.request(held, csr, rnd=1, answer=answer))["kind"] == "joined"
-    env.sql("UPDATE node_certs SET created_at = created_at - 600001")  # not a lost answer any more
+    clock.advance(600_001)  # not a lost answer any more
     env.refused(env.request(held, csr, rnd=1, answer=answer), "challenge-used")
 
 
-def test_refused_an_expired_challenge(env: Env) -> None:
+def test_refused_an_expired_challenge(env: Env, clock: ManualClock) -> None:
     held = env.token_join(18)
     csr = bpki.make_csr(bpki.generate_key())
     answer = env.answer(held, csr, env.challenge(held, csr))
-    env.sql("UPDATE join_challenges SET not_after = 1")
+    clock.advance(60_001)  # a challenge lasts a minute
     env.refused(env.request(held, csr, rnd=1, answer=answer), "challenge-expired")
 
 
@@ -581,8 +583,7 @@ def test_an_old_key_held_in_the_tpm_proves_possession_through_the_tpm(
     from bcd.config import parse_config
     from bcd.identity import LoadedTpmState, make_identity
     from bcd.rejoin import _signer
-    from bcd.tpm.record import NodeKeyRecord
-    from tests.test_joinservice_tpm import tpm_key
+    from tests.world.joins import tpm_key
 
     held_key = tpm_key(swtpm.tcti)
     held = env.token_join(24, expired_ago=DAY, csr_der=held_key.csr_der)
@@ -599,7 +600,7 @@ def test_an_old_key_held_in_the_tpm_proves_possession_through_the_tpm(
     state = LoadedTpmState(
         tmp_path,
         identity,
-        NodeKeyRecord.from_dict(held_key.record),
+        held_key.key_record,
         held_key.public_key,
         leaf,
         bpki.leaf_info(leaf),

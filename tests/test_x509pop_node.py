@@ -16,11 +16,12 @@ from hypothesis import strategies as st
 
 from attestors import x509pop
 from bcd import pki
+from bcd.attestor_api import NodeJoinContext
 from bcd.config import Config, parse_config
 from bcd.errors import BcdError, IdentityError, JoinError, UsageError
 from bcd.identity import RENEWAL_STEPS, load_state, make_identity, persist_join, persist_rejoin
 from bcd.keys.file import key_to_pem
-from bcd.plugins import NodeJoinContext, load_plugins
+from bcd.plugins import load_plugins
 from bcd.rejoin import TPM_BOUND, prepare, sign_digest_p1363
 from bcd.tpm.record import NodeKeyRecord
 from tests.certs import chain_pem, make_ca, new_id

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import pki, wire
 from control.pki import Pki, make_gateway_cert, server_ssl_context
-from tests.e2e import BIN, cli_env
+from tests.e2e import BIN, cli_env, write_node_config
 from tests.fakesys import random_machine
 
 RSS_LIMIT = 200 * 1024 * 1024
@@ -276,19 +276,22 @@ def stream_lines(status: int, lines: Sequence[bytes], *, then_stall: bool = True
 # --- a node's files ----------------------------------------------------------------
 
 
-def write_config(root: Path, memory_pki: Pki, port: int) -> Path:
-    """config.toml (and join-encryption.jwk) for a node whose gateway is ``port``."""
+def write_config(root: Path, memory_pki: Pki, port: int, *, serving_ca: bool = True) -> Path:
+    """config.toml, join-encryption.jwk and (unless not ``serving_ca``) serving-ca.pem,
+    as install-bcd.sh writes them, for a node whose gateway is ``port``."""
     etc = root / "etc"
     etc.mkdir(parents=True, exist_ok=True)
-    config = etc / "config.toml"
-    config.write_text(
-        f'gateway_url = "https://127.0.0.1:{port}"\n'
-        f'site = "site_{"a" * 26}"\n'
-        + "".join(f'{k} = "{v}"\n' for k, v in memory_pki.pins().items())
-        + f'data_dir = "{root / "data"}"\n'
+    config = write_node_config(
+        etc / "config.toml",
+        gateway_url=f"https://127.0.0.1:{port}",
+        site=f"site_{'a' * 26}",
+        pins=memory_pki.pins(),
+        data_dir=root / "data",
     )
     jwk = memory_pki.well_known_join()["encryptionJwk"]
     (etc / "join-encryption.jwk").write_text(json.dumps(jwk))
+    if serving_ca:
+        (etc / "serving-ca.pem").write_text(pki.cert_pem(memory_pki.serving_ca))
     return config
 
 

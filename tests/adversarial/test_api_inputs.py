@@ -8,7 +8,7 @@ import urllib.request
 
 import pytest
 
-from tests.e2e import ControlPlane
+from tests.world import ControlPlane
 
 pytestmark = pytest.mark.e2e
 

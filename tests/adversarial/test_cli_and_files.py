@@ -44,8 +44,8 @@ from bcd.tpm.templates import (
     p256_public_area,
 )
 from control.installscript import build_values, render
-from tests.certs import CertAuthority, make_ca, new_id, node_identity
-from tests.e2e import BIN, ControlPlane, Node, cli_env, run
+from tests.certs import CertAuthority, make_ca, node_identity
+from tests.world import BIN, ControlPlane, Node, cli_env, offline_node_config, run
 
 REPO = Path(__file__).resolve().parents[2]
 TEMPLATE = REPO / "control" / "install-bcd.sh"
@@ -62,20 +62,6 @@ StdinFrom = Callable[[bytes | None], None]
 @pytest.fixture(scope="module")
 def ca() -> CertAuthority:
     return make_ca()
-
-
-def write_config(tmp_path: Path, data_dir: Path, extra: str = "") -> Path:
-    pins = [pki.spki_pin(pki.generate_key().public_key()) for _ in range(3)]
-    path = tmp_path / "config.toml"
-    path.write_text(
-        'gateway_url = "https://gw.example.com"\n'
-        f'site = "{new_id("site")}"\n'
-        f'serving_ca_spki_pin = "{pins[0]}"\n'
-        f'join_signing_key_pin = "{pins[1]}"\n'
-        f'join_encryption_key_pin = "{pins[2]}"\n'
-        f'data_dir = "{data_dir}"\n' + extra
-    )
-    return path
 
 
 def joined(data_dir: Path, ca: CertAuthority) -> tuple[ec.EllipticCurvePrivateKey, bytes]:
@@ -273,7 +259,7 @@ def test_reset_yes_without_a_credential_moves_aside_and_says_so(
 ) -> None:
     data = tmp_path / "data"
     joined(data, ca)
-    config = write_config(tmp_path, data)
+    config = offline_node_config(tmp_path, data)
     stdin_from(None)
     code, out, err = _bcd(capsys, "join", "--config", str(config), "--reset", "--yes")
     assert code == 0, err
@@ -298,7 +284,7 @@ def test_reset_yes_from_a_terminal_moves_aside_too(
 ) -> None:
     data = tmp_path / "data"
     joined(data, ca)
-    config = write_config(tmp_path, data)
+    config = offline_node_config(tmp_path, data)
     controller, terminal = os.openpty()
     try:
         with open(terminal, "rb", closefd=False) as raw:
@@ -323,7 +309,7 @@ def test_reset_yes_with_a_bad_credential_moves_nothing_and_prints_no_move(
     data = tmp_path / "data"
     joined(data, ca)
     before = sorted(p.name for p in data.iterdir())
-    config = write_config(tmp_path, data)
+    config = offline_node_config(tmp_path, data)
     if source == "not a token":
         stdin_from(b"bcak_not_a_join_token\n")
         extra: list[str] = []
@@ -376,11 +362,11 @@ def test_an_open_data_directory_is_refused_and_doctor_fails(
     data.chmod(0o777)
     with pytest.raises(IdentityError, match=rf"chmod 0700 {re.escape(str(data))}$"):
         load_state(data)
-    check = run_checks(write_config(tmp_path, data), datetime.now(UTC))[1]
+    check = run_checks(offline_node_config(tmp_path, data), datetime.now(UTC))[1]
     assert check.status == "fail"
     assert "is not private (it is mode 0777: other users can read and write it)" in check.message
     data.chmod(0o700)
-    assert run_checks(write_config(tmp_path, data), datetime.now(UTC))[1].status == "ok"
+    assert run_checks(offline_node_config(tmp_path, data), datetime.now(UTC))[1].status == "ok"
 
 
 def test_a_readable_node_key_is_refused_and_doctor_fails(tmp_path: Path, ca: CertAuthority) -> None:
@@ -389,7 +375,7 @@ def test_a_readable_node_key_is_refused_and_doctor_fails(tmp_path: Path, ca: Cer
     (data / "node.key").chmod(0o644)
     with pytest.raises(IdentityError, match=r"chmod 0600 .*node\.key \(another user may have"):
         load_state(data)
-    check = run_checks(write_config(tmp_path, data), datetime.now(UTC))[1]
+    check = run_checks(offline_node_config(tmp_path, data), datetime.now(UTC))[1]
     assert check.status == "fail"
     assert "node.key is not private (it is mode 0644: other users can read it)" in check.message
 
@@ -403,10 +389,10 @@ def test_a_file_of_another_user_is_refused_unless_it_is_the_helper_users(
     os.chown(data / "node.key", nobody.pw_uid, nobody.pw_gid)
     with pytest.raises(IdentityError, match=rf"owned by uid {nobody.pw_uid}, which is not root"):
         load_state(data)
-    plain = run_checks(write_config(tmp_path, data), datetime.now(UTC))[1]
+    plain = run_checks(offline_node_config(tmp_path, data), datetime.now(UTC))[1]
     assert plain.status == "fail"
     # under [helper] the join hands node.key to the helper user: trusted
-    helper = write_config(tmp_path, data, '[helper]\nuser = "nobody"\n[tpm]\nmode = "off"\n')
+    helper = offline_node_config(tmp_path, data, '[helper]\nuser = "nobody"\n[tpm]\nmode = "off"\n')
     assert run_checks(helper, datetime.now(UTC))[1].status == "ok"
 
 
@@ -499,7 +485,7 @@ def test_dev_zero_and_a_huge_sparse_file_as_config_are_refused_unread(tmp_path: 
 
 
 def test_a_fifo_as_the_join_key_file_fails_the_join_at_once(tmp_path: Path) -> None:
-    config = write_config(tmp_path, tmp_path / "data", '[tpm]\nmode = "off"\n')
+    config = offline_node_config(tmp_path, tmp_path / "data", '[tpm]\nmode = "off"\n')
     os.mkfifo(tmp_path / "join-encryption.jwk")
     done = run(
         [str(BIN / "bcd"), "join", "--config", str(config)],
@@ -518,7 +504,7 @@ def test_a_fifo_as_the_join_key_file_fails_the_join_at_once(tmp_path: Path) -> N
 def test_not_joined_is_the_seeds_text_for_doctor_and_node(tmp_path: Path) -> None:
     from bcd.node import load_identity
 
-    config = write_config(tmp_path, tmp_path / "data")
+    config = offline_node_config(tmp_path, tmp_path / "data")
     check = run_checks(config, datetime.now(UTC))[1]
     assert check.message == "this node has not joined (run bcd join)"
     cfg = parse_config(config.read_text(), config)
@@ -536,7 +522,7 @@ def _software_node_key() -> tuple[NodeKeyRecord, NodeKeyPublic]:
 
 
 async def test_the_helpers_wrong_signature_and_ak_use_the_seeds_texts(tmp_path: Path) -> None:
-    from tests.test_helper import wrong_helper
+    from tests.world.agent import wrong_helper
 
     record, key = _software_node_key()
     digest = secrets.token_bytes(32)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import ControlPlane
+from tests.world import ControlPlane, E2EWorld
 
 pytestmark = pytest.mark.e2e
 
@@ -23,7 +23,7 @@ def _status(cp: ControlPlane, version: str) -> tuple[int, bytes]:
 
 
 def test_links_planted_in_the_downloads_directory_are_not_followed(
-    tmp_path: Path, pki_template: Path
+    tmp_path: Path, e2e: E2EWorld
 ) -> None:
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -34,19 +34,11 @@ def test_links_planted_in_the_downloads_directory_are_not_followed(
     (downloads / "bcd" / "2.0.0").mkdir()
     (downloads / "bcd" / "2.0.0" / "linux-amd64").symlink_to(outside / "linux-amd64")
     (downloads / "bcd" / "3.0.0").symlink_to(outside, target_is_directory=True)
-    home = tmp_path / "cp"
-    home.mkdir()
-    cp = ControlPlane.start(
-        home,
-        pki_template,
-        f"sqlite:///{tmp_path / 's.db'}",
-        extra_args=["--downloads", str(downloads)],
+    cp = e2e.control_plane(
+        f"sqlite:///{tmp_path / 's.db'}", extra_args=["--downloads", str(downloads)]
     )
-    try:
-        assert _status(cp, "1.0.0") == (200, b"the artifact")
-        for version in ("2.0.0", "3.0.0"):
-            status, body = _status(cp, version)
-            assert status == 404
-            assert b"secret" not in body
-    finally:
-        cp.stop()
+    assert _status(cp, "1.0.0") == (200, b"the artifact")
+    for version in ("2.0.0", "3.0.0"):
+        status, body = _status(cp, version)
+        assert status == 404
+        assert b"secret" not in body

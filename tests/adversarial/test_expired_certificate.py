@@ -10,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bcd.httpclient import request
 from bcd.identity import LoadedState, load_state
-from bcd.keys.file import key_to_pem
-from bcd.tls import connect_pinned
-from tests.e2e import ControlPlane, Node
+from tests.gatewaycalls import node_post
+from tests.world import ControlPlane, Node
 
 pytestmark = pytest.mark.e2e
 
@@ -42,14 +40,7 @@ async def test_an_expired_certificate_is_answered_unauthenticated(
         wait = not_after.timestamp() - time.time() + 1.5
         time.sleep(max(0.0, wait))  # noqa: ASYNC251 - the certificate must expire
         for path in ("/v1/session", "/v1/renew"):
-            stream = await connect_pinned(
-                "127.0.0.1", cp.gateway_port, "127.0.0.1", pin,
-                client_cert=(state.identity.chain, key_to_pem(state.key)),
-            )  # fmt: skip
-            try:
-                answer = await request(stream, "POST", path, "127.0.0.1", b"{}")
-            finally:
-                await stream.aclose()
+            answer = await node_post(cp.gateway_port, pin, state, path, b"{}")
             assert answer.status == 401, (path, answer.body)
             assert json.loads(answer.body)["code"] == "UNAUTHENTICATED"
     finally:

@@ -7,7 +7,7 @@ import ssl
 
 import pytest
 
-from tests.e2e import ControlPlane
+from tests.world import ControlPlane
 
 pytestmark = pytest.mark.e2e
 

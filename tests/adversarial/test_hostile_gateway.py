@@ -35,14 +35,14 @@ from tests.adversarial.hostile import (
     one_line_error,
     tls,
 )
-from tests.test_renew import joined_state
+from tests.world.agent import joined_state
 
 pytestmark = pytest.mark.e2e
 
 JOIN_REFUSED = "bcd: the control plane refused the join (ACCESS_DENIED: Join refused)"
 ATTEMPT_1 = re.compile(r"join attempt 1 failed \((.*)\); retrying in ([0-9.]+) s")
 NODE_REVOKED = "agent: this node's certificate was revoked"
-HEAD_OVER = "127.0.0.1 sent an HTTP head or chunk header over 32768 bytes"
+HEAD_OVER = "127.0.0.1 sent an HTTP head or chunk header over 102400 bytes"
 BODY_OVER = "the response from 127.0.0.1 is over 1048576 bytes"
 
 

@@ -20,11 +20,9 @@ import pytest
 import trio
 
 from bcd import wire
-from bcd.httpclient import open_lines
 from bcd.identity import LoadedState, load_state
-from bcd.keys.file import key_to_pem
-from bcd.tls import connect_pinned
-from tests.e2e import ControlPlane, Node
+from tests.gatewaycalls import node_client
+from tests.world import ControlPlane, Node
 
 pytestmark = pytest.mark.e2e
 
@@ -64,28 +62,21 @@ async def test_one_certificate_holds_one_session_however_many_it_opens(
     _node, state = _joined(cp, tmp_path / "n", 31)
     pin = cp.pins()["serving_ca_spki_pin"]
     streams = []
-    for _ in range(40):
-        conn = await connect_pinned(
-            "127.0.0.1", cp.gateway_port, "127.0.0.1", pin,
-            client_cert=(state.identity.chain, key_to_pem(state.key)),
-        )  # fmt: skip
-        status, _h, lines = await open_lines(
-            conn, "POST", "/v1/session", "127.0.0.1", _hello(state), idle_timeout=20
-        )
-        assert status == 200
-        assert json.loads(await lines.__anext__())["type"] == "welcome"
-        streams.append((conn, lines))
-    # every older session was ended cleanly by the newer one: its stream is over
-    with trio.fail_after(10):
-        for conn, lines in streams[:-1]:
-            assert [line async for line in lines] == []
-            await conn.aclose()
-    conn, lines = streams[-1]
-    with trio.move_on_after(1) as waited:
-        await lines.__anext__()  # the newest stays open (no line within a second)
-    assert waited.cancelled_caught
-    await lines.aclose()
-    await conn.aclose()
+    async with contextlib.AsyncExitStack() as stack:
+        for _ in range(40):
+            client = await stack.enter_async_context(await node_client(cp.gateway_port, pin, state))
+            lines = await stack.enter_async_context(client.session(_hello(state), idle_timeout=20))
+            assert lines.status == 200
+            it = aiter(lines)
+            assert json.loads(await anext(it))["type"] == "welcome"
+            streams.append(it)
+        # every older session was ended cleanly by the newer one: its stream is over
+        with trio.fail_after(10):
+            for it in streams[:-1]:
+                assert [line async for line in it] == []
+        with trio.move_on_after(1) as waited:
+            await anext(streams[-1])  # the newest stays open (no line within a second)
+        assert waited.cancelled_caught
     assert cp.proc.poll() is None
     assert "Traceback" not in (cp.home / "serve.log").read_text()
 

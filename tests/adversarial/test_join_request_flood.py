@@ -10,14 +10,13 @@ from typing import Any
 import pytest
 
 from bcd import wire
-from bcd.plugins import Defer, ServerJoinContext, hookimpl, load_plugins
+from bcd.attestor_api import Defer, ServerJoinContext, hookimpl
+from bcd.plugins import load_plugins
 from control import joinrequests
 from control.errors import ControlError
 from control.joinservice import JoinService
-from control.pki import Pki
 from control.server import join_crypto
-from control.store import Store
-from tests.test_joinservice import World, machine, make_world
+from tests.world.joins import World, machine
 
 
 class Enroller:
@@ -34,11 +33,6 @@ class Enroller:
         self, attestor: str, request: wire.JoinRequest, ctx: ServerJoinContext
     ) -> Any:
         return Defer(machine_key=secrets.token_hex(32), pool_id=self.pool_id)
-
-
-@pytest.fixture
-def world(store: Store, memory_pki: Pki) -> World:
-    return make_world(store, memory_pki)
 
 
 def _service(world: World) -> JoinService:

@@ -8,18 +8,12 @@ from typing import Any
 import pytest
 
 from bcd import wire
-from bcd.plugins import Admit, ServerJoinContext, hookimpl, load_plugins
+from bcd.attestor_api import Admit, ServerJoinContext, hookimpl
+from bcd.plugins import load_plugins
 from control.errors import Refused
 from control.joinservice import JoinService
-from control.pki import Pki
 from control.server import join_crypto
-from control.store import Store
-from tests.test_joinservice import World, machine, make_world
-
-
-@pytest.fixture
-def world(store: Store, memory_pki: Pki) -> World:
-    return make_world(store, memory_pki)
+from tests.world.joins import World, machine
 
 
 class Thief:

@@ -21,7 +21,7 @@ from cryptography.x509.oid import NameOID
 
 from bcd import pki, wire
 from bcd.errors import RetryableError
-from bcd.httpclient import Response
+from bcd.gatewayanswer import Response
 from bcd.renew import renew_answer
 from bcd.vouch import vouch_answer
 from control.pki import Pki

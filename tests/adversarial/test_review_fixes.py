@@ -9,9 +9,10 @@ from typing import Any
 import httpx
 import pytest
 
+from bcd.attestor_api import hookimpl
 from bcd.config import load_config
 from bcd.errors import ConfigError
-from bcd.plugins import hookimpl, load_plugins
+from bcd.plugins import load_plugins
 from control.errors import ControlError
 from control.http import Request, source_key, source_of
 from control.proofs import spend_proof

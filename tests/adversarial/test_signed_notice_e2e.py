@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e import BIN, ControlPlane, Node, cli_env
+from tests.world import BIN, ControlPlane, Node, cli_env
 
 pytestmark = pytest.mark.e2e
 
