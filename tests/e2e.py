@@ -341,12 +341,12 @@ class Node:
         return cls(root, config, data, sysfs)
 
     def bcd(
-        self, *args: str, input: bytes | None = None, config: bool = True
+        self, *args: str, input: bytes | None = None, config: bool = True, timeout: float = 60
     ) -> subprocess.CompletedProcess[str]:
         argv = [str(BIN / "bcd"), *args]
         if config:
             argv += ["--config", str(self.config)]
-        return run(argv, input=input, env=cli_env(self.root, secret=False))
+        return run(argv, input=input, env=cli_env(self.root, secret=False), timeout=timeout)
 
     def spawn_join(self, *extra: str) -> subprocess.Popen[str]:
         """``bcd join`` without a token, left running (it may wait on a join request)."""
@@ -367,11 +367,14 @@ class Node:
             env=cli_env(self.root, secret=False),
         )
 
-    def join(self, token: str | None, *extra: str) -> subprocess.CompletedProcess[str]:
+    def join(
+        self, token: str | None, *extra: str, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         return self.bcd(
             "join",
             "--sysfs-root",
             str(self.sysfs),
             *extra,
             input=(token + "\n").encode() if token is not None else b"",
+            timeout=timeout,
         )
