@@ -170,7 +170,7 @@ class App:
         return json_response(200, await self.run(create))
 
     async def _r_sites_list(self, tenant: str, body: dict[str, Any], q: dict[str, str]) -> Response:
-        size, token = _paging(q, "site")
+        size, token = _paging(q, "site", tenancy.SITE_POOL_PAGE_MAX)
         return json_response(
             200,
             await self.run(
@@ -184,7 +184,7 @@ class App:
         return json_response(200, await self.run(lambda tx: tenancy.show_site(tx, tenant, site_id)))
 
     async def _r_pools_list(self, tenant: str, body: dict[str, Any], q: dict[str, str]) -> Response:
-        size, token = _paging(q, "pool")
+        size, token = _paging(q, "pool", tenancy.SITE_POOL_PAGE_MAX)
         site = q.get("siteId") or None
         if site is not None and not re.fullmatch(r"site_[0-9a-z]{26}", site):
             raise invalid("siteId must be a site id (site_…)")
@@ -437,10 +437,12 @@ def _bounded_int(
     return int(text)
 
 
-def _paging(q: dict[str, str], prefix: str) -> tuple[int, str | None]:
-    """``pageSize`` (1 to 1000, default 100) and ``pageToken`` (the last id of the page
-    before, ``{prefix}_…``) of a list."""
-    size = _bounded_int(q, "pageSize", 1, tenancy.PAGE_MAX, tenancy.PAGE_DEFAULT)
+def _paging(
+    q: dict[str, str], prefix: str, page_max: int = tenancy.PAGE_MAX
+) -> tuple[int, str | None]:
+    """``pageSize`` (1 to ``page_max``, default 100) and ``pageToken`` (the last id of
+    the page before, ``{prefix}_…``) of a list."""
+    size = _bounded_int(q, "pageSize", 1, page_max, tenancy.PAGE_DEFAULT)
     token = q.get("pageToken") or None
     if token is not None and not re.fullmatch(rf"{prefix}_[0-9a-z]{{26}}", token):
         raise invalid(f"pageToken must be an id ({prefix}_…), the nextPageToken of a page")

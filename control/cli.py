@@ -132,7 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         return p
 
     def paging(p: Any) -> None:
-        p.add_argument("--page-size", type=int, default=100, help="1 to 1000 (default 100)")
+        p.add_argument(
+            "--page-size",
+            type=int,
+            default=100,
+            help="1 to 1000 (sites and pools: 1 to 100) (default 100)",
+        )
         p.add_argument("--page-token", help="the nextPageToken of the previous page")
 
     pki_group = sub.add_parser("pki").add_subparsers(

@@ -64,7 +64,13 @@ def secret_configured(args: argparse.Namespace) -> str | None:
     return "BETTER_COMPUTE_SECRET" if os.environ.get("BETTER_COMPUTE_SECRET") else None
 
 
-def _judge_secret(path: Path) -> Any:
+def _judge_secret(path: Path, *, credential: bool = False) -> Any:
+    """The secret file's judge. A systemd credential (``credential``) may also be group
+    readable: ``LoadCredential=`` writes it root's 0400 and grants the service user read
+    through a POSIX ACL, whose mask shows in the group bits (0440); the directory is the
+    service's alone. Group write or exec, and any bit for others, are refused there too."""
+    refused = 0o037 if credential else 0o077
+
     def judge(st: os.stat_result) -> None:
         if st.st_uid not in (0, os.geteuid()):
             raise ControlError(
@@ -72,7 +78,7 @@ def _judge_secret(path: Path) -> Any:
                 f"the secret file {path} is owned by uid {st.st_uid}, not root or this user: "
                 f"chown $(id -u) {path}",
             )
-        if st.st_mode & 0o077:
+        if st.st_mode & refused:
             raise ControlError(
                 "INVALID_CONFIG",
                 f"the secret file {path} can be read or changed by other users (mode "
@@ -82,12 +88,14 @@ def _judge_secret(path: Path) -> Any:
     return judge
 
 
-def _read_secret_file(path: Path) -> str:
+def _read_secret_file(path: Path, *, credential: bool = False) -> str:
     """The secret in ``path``: a regular file (never through a symlink) of the user
-    running the command (or root), readable by nobody else, at most 4 KiB; one trailing
-    newline is not part of it. No message holds a byte of the file."""
+    running the command (or root), readable by nobody else (a systemd ``credential``:
+    by its group too), at most 4 KiB; one trailing newline is not part of it. No
+    message holds a byte of the file."""
+    judge = _judge_secret(path, credential=credential)
     try:
-        raw = fs.read_regular_file(path, MAX_SECRET_BYTES, follow=False, judge=_judge_secret(path))
+        raw = fs.read_regular_file(path, MAX_SECRET_BYTES, follow=False, judge=judge)
     except FileNotFoundError:
         raise ControlError("INVALID_CONFIG", f"the secret file {path} does not exist") from None
     except IsADirectoryError:
@@ -114,8 +122,11 @@ def _read_secret_file(path: Path) -> str:
 
 def _secret(args: argparse.Namespace | None = None) -> bytes:
     path = _secret_path(args)
+    credential = not getattr(args, "secret_file", None)  # found in $CREDENTIALS_DIRECTORY
     secret = (
-        _read_secret_file(path) if path is not None else os.environ.get("BETTER_COMPUTE_SECRET", "")
+        _read_secret_file(path, credential=credential)
+        if path is not None
+        else os.environ.get("BETTER_COMPUTE_SECRET", "")
     )
     if len(secret) < 16:
         where = f"the secret in {path} is shorter than 16 characters: " if path else ""
@@ -129,14 +140,14 @@ def _secret(args: argparse.Namespace | None = None) -> bytes:
 
 
 def _db_url(args: argparse.Namespace) -> str:
-    from control.store.reach import redact, scheme_ok
+    from control.store.reach import scheme_ok
 
     url = args.db or os.environ.get("BETTER_COMPUTE_DB")
     if url and not scheme_ok(url):
         where = "--db" if args.db else "BETTER_COMPUTE_DB"
-        usage_error(
-            f"{where} {redact(url)}: the database URL must start with sqlite:/// or postgresql://"
-        )
+        # Without a known scheme nothing tells where a password is (user:pw@host/db,
+        # postgresql:/u:pw@h/db): no part of the value is shown.
+        usage_error(f"{where}: a URL of an unknown kind (must start sqlite:/// or postgresql://)")
     return url or f"sqlite:///{_home(args) / 'store.db'}"
 
 

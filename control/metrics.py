@@ -7,8 +7,9 @@ share a counter. The services take a ``Metrics`` (a private one when given none)
 (:meth:`Metrics.handle`: ``GET /metrics``, anything else 404).
 
 Labels are bounded: an attestor is a loaded plugin's name or ``unknown``, a reason a
-protocol refusal reason (``other`` when it does not look like one), an outcome and a
-limit from the short lists below. A node id, token id, tenant id or address is never
+protocol refusal reason (``other`` when it does not look like one, or once
+:data:`REASONS_PER_ATTESTOR` distinct ones have been counted for the attestor), an
+outcome and a limit from the short lists below. A node id, token id, tenant id or address is never
 a label. docs/operators.md ("Metrics") lists every metric.
 """
 
@@ -21,7 +22,7 @@ from contextlib import contextmanager
 
 import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.exposition import choose_encoder
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, choose_encoder, generate_latest
 
 from control.http import Request, Response, error_response
 
@@ -37,6 +38,8 @@ LIMITS = (
     "vouches-per-site-agent",
 )
 _REASON = re.compile(r"[a-z][a-z0-9-]{0,39}")
+REASONS_PER_ATTESTOR = 32
+"""Distinct reason labels per attestor (and for renewals); any further reason is ``other``."""
 PENDING_REFRESH_S = 5.0
 """``bc_join_requests_pending`` is counted at a scrape, at most once per this long."""
 
@@ -108,18 +111,31 @@ class Metrics:
             self.limit_hits.labels(limit)
         self.count_pending: Callable[[], Awaitable[int]] | None = None
         self._pending_at = -1e9
+        self._reasons: dict[str, set[str]] = {}
+
+    def _reason(self, attestor: str, reason: str) -> str:
+        """``reason`` as a label, ``other`` beyond :data:`REASONS_PER_ATTESTOR` distinct
+        ones for ``attestor`` (a plugin's reasons are its own choice)."""
+        label = reason_label(reason)
+        seen = self._reasons.setdefault(attestor, set())
+        if label in seen:
+            return label
+        if len(seen) >= REASONS_PER_ATTESTOR:
+            return "other"
+        seen.add(label)
+        return label
 
     # --- events ------------------------------------------------------------------
 
     def join(self, attestor: str, outcome: str, reason: str | None = None) -> None:
         self.joins.labels(attestor, outcome).inc()
         if reason is not None:
-            self.join_refusals.labels(attestor, reason_label(reason)).inc()
+            self.join_refusals.labels(attestor, self._reason(attestor, reason)).inc()
 
     def renewal(self, outcome: str, reason: str | None = None) -> None:
         self.renewals.labels(outcome).inc()
         if reason is not None:
-            self.renewal_refusals.labels(reason_label(reason)).inc()
+            self.renewal_refusals.labels(self._reason("", reason)).inc()
 
     def limit_hit(self, limit: str) -> None:
         self.limit_hits.labels(limit if limit in LIMITS else "other").inc()
@@ -145,7 +161,10 @@ class Metrics:
         if req.method != "GET" or req.path != "/metrics":
             return error_response("NOT_FOUND", "no such path")
         await self._refresh_pending()
-        encode, content_type = choose_encoder(req.headers.get("accept", ""))
+        try:
+            encode, content_type = choose_encoder(req.headers.get("accept", ""))
+        except Exception:  # an Accept it cannot parse (version=abc): the text format
+            encode, content_type = generate_latest, CONTENT_TYPE_LATEST
         # milliseconds of formatting: off the event loop, which carries the sessions
         body = await trio.to_thread.run_sync(encode, self.registry)
         return Response(200, body, [("content-type", content_type)])

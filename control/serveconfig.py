@@ -9,8 +9,9 @@ strings for a repeatable flag; each is checked by the flag's own parser.
 
 The file may name the secret's file, the TLS bundle and the database (whose URL may
 hold a password), so it is refused unless it is a regular file owned by root or the
-user running serve and writable by nobody else; a database URL with a password in a
-file other users can read is refused too.
+user running serve and writable by nobody else; a database URL with a password (in
+its authority, or a ``password``/``sslpassword`` query parameter) in a file other users
+can read is refused too.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
-from urllib.parse import urlsplit
+from urllib.parse import parse_qs, urlsplit
 
 from bcd import fs
 
@@ -76,8 +77,11 @@ def _tokens(path: Path, key: str, action: argparse.Action, value: Any) -> list[s
     return out
 
 
-def _judge(path: Path) -> Any:
+def _judge(path: Path, seen: list[int]) -> Any:
+    """The config file's judge; it appends the opened file's mode to ``seen``."""
+
     def judge(st: os.stat_result) -> None:
+        seen.append(stat.S_IMODE(st.st_mode))
         if st.st_uid not in (0, os.geteuid()):
             raise ServeConfigError(
                 f"{path} is owned by uid {st.st_uid}, not root or this user; it says which "
@@ -94,9 +98,10 @@ def _judge(path: Path) -> Any:
 
 def read(path: Path) -> tuple[dict[str, Any], int]:
     """The file's table and its mode, judged (owner, writers, size, kind)."""
+    seen: list[int] = []  # the mode of the file opened, not of a second stat's
     try:
-        data = fs.read_regular_file(path, MAX_CONFIG_BYTES, judge=_judge(path))
-        mode = stat.S_IMODE(os.stat(path).st_mode)
+        data = fs.read_regular_file(path, MAX_CONFIG_BYTES, judge=_judge(path, seen))
+        mode = seen[0]
     except FileNotFoundError:
         raise ServeConfigError(f"--config {path}: no such file") from None
     except IsADirectoryError:
@@ -111,6 +116,18 @@ def read(path: Path) -> tuple[dict[str, Any], int]:
         return tomllib.loads(data.decode("utf-8")), mode
     except (UnicodeDecodeError, tomllib.TOMLDecodeError, RecursionError) as exc:
         raise ServeConfigError(f"{path}: not valid TOML: {exc}") from None
+
+
+def _has_password(path: Path, url: str) -> bool:
+    """Whether the database URL holds a password: in its authority, or as a
+    ``password``/``sslpassword`` query parameter. A URL that does not parse is a usage
+    error naming the file and the key (never the value)."""
+    try:
+        parts = urlsplit(url)
+        query = parse_qs(parts.query, keep_blank_values=True)
+        return bool(parts.password) or any(query.get(k) for k in ("password", "sslpassword"))
+    except ValueError:
+        raise ServeConfigError(f'{path}: key "db": not a valid database URL') from None
 
 
 def _given(parser: argparse.ArgumentParser, argv: Sequence[str]) -> set[str]:
@@ -142,7 +159,7 @@ def apply(
             raise ServeConfigError(f'{path}: unknown key "{key}"{also}')
         tokens += _tokens(path, key, action, value)
     url = table.get("db")
-    if isinstance(url, str) and mode & 0o044 and urlsplit(url).password:
+    if isinstance(url, str) and _has_password(path, url) and mode & 0o044:
         raise ServeConfigError(
             f"{path} holds a database password and other users can read it (mode {mode:04o}): "
             f"chmod go-r {path}"

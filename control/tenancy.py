@@ -152,6 +152,9 @@ def check_policy_attestors(policy: dict[str, Any], known: Sequence[str]) -> None
 
 PAGE_DEFAULT = 100
 PAGE_MAX = 1000
+SITE_POOL_PAGE_MAX = 100
+"""The largest page of sites or pools: a pool's policy may be 64 KiB, so a page of
+1,000 would be ~64 MB built and serialized on the event loop."""
 
 
 def tenant_record(row: Row) -> dict[str, Any]:
@@ -192,10 +195,11 @@ def _page(
     shape: Callable[[Row], dict[str, Any]],
     page_size: int,
     page_token: str | None,
+    page_max: int = PAGE_MAX,
 ) -> dict[str, Any]:
     """One page in id order; ``nextPageToken`` (the last id shown) when more remain."""
-    if isinstance(page_size, bool) or not 1 <= page_size <= PAGE_MAX:
-        raise invalid(f"pageSize must be from 1 to {PAGE_MAX}")
+    if isinstance(page_size, bool) or not 1 <= page_size <= page_max:
+        raise invalid(f"pageSize must be from 1 to {page_max}")
     if page_token:
         sql += " AND id > ?"
         params = [*params, page_token]
@@ -229,7 +233,7 @@ def list_sites(
     tx: Tx, tenant_id: str, *, page_size: int = PAGE_DEFAULT, page_token: str | None = None
 ) -> dict[str, Any]:
     return _page(tx, "SELECT * FROM sites WHERE tenant_id = ?", [tenant_id], site_record,
-                 page_size, page_token)  # fmt: skip
+                 page_size, page_token, SITE_POOL_PAGE_MAX)  # fmt: skip
 
 
 def show_site(tx: Tx, tenant_id: str, site_id: str) -> dict[str, Any]:
@@ -250,7 +254,7 @@ def list_pools(
     sql, params = "SELECT * FROM pools WHERE tenant_id = ?", [tenant_id]
     if site_id is not None:
         sql, params = sql + " AND site_id = ?", [tenant_id, site_id]
-    return _page(tx, sql, params, pool_record, page_size, page_token)
+    return _page(tx, sql, params, pool_record, page_size, page_token, SITE_POOL_PAGE_MAX)
 
 
 def show_pool(tx: Tx, tenant_id: str, pool_id: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -146,10 +147,21 @@ def test_lists_page_with_a_bounded_page_size(sqlite_control_plane: ControlPlane)
     )
     assert [s["id"] for s in rest["items"]] == made[2:]
     assert "nextPageToken" not in rest
-    for size in ("0", "1001"):
-        done = cp.cli("sites", "list", "--tenant", cp.root_tenant, "--page-size", size)
-        assert done.returncode == 1
-        assert "INVALID_ARGUMENT: pageSize must be a whole number from 1 to 1000" in done.stderr
+    # a page of sites or pools is at most 100 (a pool's policy may be 64 KiB)
+    for noun in ("sites", "pools"):
+        assert (
+            cp.cli(noun, "list", "--tenant", cp.root_tenant, "--page-size", "100").returncode == 0
+        )
+        for size in ("0", "101", "1000"):
+            done = cp.cli(noun, "list", "--tenant", cp.root_tenant, "--page-size", size)
+            assert done.returncode == 1
+            assert re.search(
+                r"INVALID_ARGUMENT: pageSize must be a whole number from 1 to 100\b", done.stderr
+            ), done.stderr
+    with pytest.raises(ControlError) as info:
+        api.call("GET", f"/v1/tenants/{cp.root_tenant}/pools?pageSize=101")
+    assert info.value.code == "INVALID_ARGUMENT"
+    assert cp.cli("tenants", "list", "--page-size", "1000").returncode == 0
     with pytest.raises(ControlError) as info:
         api.call("GET", f"/v1/tenants/{cp.root_tenant}/pools?pageToken=site_x")
     assert info.value.code == "INVALID_ARGUMENT"

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import pytest
 
-from control.store.reach import CONNECT_TIMEOUT_S, redact
+from control.store.reach import CONNECT_TIMEOUT_S, _scrub, redact
 from tests.conftest import PG_OK, PG_URL
 from tests.e2e import BIN, cli_env, run
 
@@ -102,17 +102,31 @@ def test_a_url_of_the_wrong_kind_is_a_usage_error(verb: list[str], tmp_path: Pat
     code, stderr, _took = _run(tmp_path, [*verb, "--db", "mysql://root:pw-sekrit@db/x"])
     assert code == 2
     assert stderr.strip().splitlines()[-1] == (
-        "better-compute: usage: --db mysql://root@db/x: the database URL must start with "
-        "sqlite:/// or postgresql://"
+        "better-compute: usage: --db: a URL of an unknown kind (must start sqlite:/// or "
+        "postgresql://)"
     )
     assert "pw-sekrit" not in stderr
 
 
+@pytest.mark.parametrize(
+    "url", ["user:pw-sekrit@host/db", "postgresql:/u:pw-sekrit@h/db", "postgresql:u:pw-sekrit@h"]
+)
+def test_a_url_without_its_scheme_shows_no_password(url: str, tmp_path: Path) -> None:
+    # urlsplit finds no password without '//', so redact() would have shown it whole
+    code, stderr, _took = _run(tmp_path, ["migrate", "--db", url])
+    assert code == 2
+    assert "usage: --db: a URL of an unknown kind" in stderr
+    assert "pw-sekrit" not in stderr
+    assert "host" not in stderr
+    assert "@h" not in stderr
+
+
 def test_the_environment_url_is_named_as_such(tmp_path: Path) -> None:
-    env = {**cli_env(tmp_path), "BETTER_COMPUTE_DB": "mysql://db/x"}
+    env = {**cli_env(tmp_path), "BETTER_COMPUTE_DB": "mysql://u:pw-sekrit@db/x"}
     done = run([BC, "migrate"], env=env, timeout=30)
     assert done.returncode == 2
-    assert "usage: BETTER_COMPUTE_DB mysql://db/x: the database URL must start" in done.stderr
+    assert "usage: BETTER_COMPUTE_DB: a URL of an unknown kind" in done.stderr
+    assert "pw-sekrit" not in done.stderr
 
 
 def test_a_reachable_database_migrates(tmp_path: Path) -> None:
@@ -124,3 +138,71 @@ def test_redact_removes_the_password_and_the_query() -> None:
     assert redact("postgresql://u:p@h:5/d?passfile=/x") == "postgresql://u@h:5/d"
     assert redact("postgresql://h/d") == "postgresql://h/d"
     assert redact("postgresql://u:p@[::1]:5432/d") == "postgresql://u@[::1]:5432/d"
+
+
+@pytest.mark.parametrize("verb", ["migrate", "serve"])
+@pytest.mark.parametrize(
+    ("query", "secrets"),
+    [
+        ("?password=se%zzcret", ["se%zzcret", "zzcret"]),
+        ("?options=-c%20password%3ds3cret%zz", ["s3cret"]),
+        ("?sslmode=s3cretmode", ["s3cretmode"]),
+        ("?port=s3cretport", ["s3cretport"]),
+    ],
+)
+def test_a_malformed_url_is_one_line_without_libpq_repeating_its_values(
+    verb: str, query: str, secrets: list[str], tmp_path: Path, pki_template: Path
+) -> None:
+    """libpq's parse error repeats the value it could not parse: only the URL (redacted)
+    is said, never libpq's text."""
+    home = tmp_path / "home"
+    shutil.copytree(pki_template, home)
+    url = f"postgresql://u:pw-sekrit-9876@127.0.0.1:{_closed_port()}/db{query}"
+    argv = ["migrate", "--db", url] if verb == "migrate" else [
+        "serve", "--db", url, "--api-listen", "127.0.0.1:0", "--gateway-listen", "127.0.0.1:0"]  # fmt: skip
+    code, stderr, took = _run(home, argv)
+    assert code == 1, stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("better-compute: UNAVAILABLE: the database URL is malformed: "
+                               "postgresql://u@127.0.0.1:"), stderr  # fmt: skip
+    for secret in [*secrets, "pw-sekrit"]:
+        assert secret not in stderr
+    assert "internal error" not in stderr
+    assert took < BOUND_S
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("postgres://u:pw-sekrit@h:99999/db", "postgres://…"),
+        ("postgres://u:pw-sekrit@127.0.0.1:99999/db", "postgres://…"),
+        (f"postgresql://u:pw-sekrit@{'a' * 64}.example:5432/db",
+         f"postgresql://u@{'a' * 64}.example:5432/db"),
+    ],
+)  # fmt: skip
+def test_a_port_out_of_range_or_a_host_label_too_long_is_not_an_internal_error(
+    url: str, shown: str, tmp_path: Path
+) -> None:
+    code, stderr, _took = _run(tmp_path, ["migrate", "--db", url])
+    assert code in (1, 2), stderr
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert shown in lines[0]
+    assert "internal error" not in stderr
+    assert "pw-sekrit" not in stderr
+
+
+def test_redact_a_port_out_of_range() -> None:
+    assert redact("postgres://u:pw@h:99999/db") == "postgres://…"
+    assert redact("postgres://u:pw@h:99999/db?x=1") == "postgres://…"
+
+
+def test_scrub_removes_query_values_and_the_password_raw_and_decoded() -> None:
+    url = "postgresql://u:p%41ss@h:5432/d?password=abc%2Fdef&connect_timeout=1&options=-c%20x%3Dy"
+    said = (
+        'at "127.0.0.1", port 5432: "abc/def" abc%2Fdef pAss p%41ss "-c x=y" -c%20x%3Dy timeout 1'
+    )
+    assert _scrub(said, url) == (
+        'at "127.0.0.1", port 5432: "***" *** *** *** "***" *** timeout ***'
+    )

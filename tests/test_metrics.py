@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bcd import wire
 from bcd.identity import LoadedState
 from control.http import Request
-from control.metrics import Metrics, reason_label
+from control.metrics import REASONS_PER_ATTESTOR, Metrics, reason_label
 from tests.fleet import issue_bundle, start_api, start_gateway
 from tests.gatewaycalls import node_client, node_post
 from tests.world import (
@@ -190,6 +190,26 @@ def test_the_metrics_listener_answers_only_get_metrics(e2e: E2EWorld) -> None:
 
 
 @pytest.mark.e2e
+def test_an_accept_it_cannot_parse_is_answered_in_the_text_format(e2e: E2EWorld) -> None:
+    """prometheus-client's choose_encoder raises on ``version=abc``: a 500 and a traceback
+    logged per scrape, were it not caught."""
+    cp: ControlPlane = e2e.control_plane(extra_args=["--metrics-listen", "127.0.0.1:0"])
+    url = str(cp.ready["metrics"])
+    with httpx.Client(timeout=10) as client:
+        for accept in (
+            "application/openmetrics-text; version=abc",
+            "text/plain, application/openmetrics-text; version=1.0.0x",
+        ):
+            answer = client.get(url + "/metrics", headers={"accept": accept})
+            assert answer.status_code == 200, accept
+            assert answer.headers["content-type"].startswith("text/plain; version="), accept
+            assert "bc_joins" in answer.text
+        fine = client.get(url + "/metrics", headers={"accept": "application/openmetrics-text"})
+        assert fine.status_code == 200
+        assert fine.headers["content-type"].startswith("application/openmetrics-text")
+
+
+@pytest.mark.e2e
 def test_without_the_flag_nothing_listens(e2e: E2EWorld) -> None:
     cp: ControlPlane = e2e.control_plane()
     assert "metrics" not in cp.ready
@@ -201,6 +221,33 @@ def test_a_reason_that_is_not_a_protocol_word_is_other() -> None:
     assert reason_label("node-key-ak") == "node-key-ak"
     for hostile in ("Token Secret", "x" * 41, "node_0123456789", "", "a:b", "10.0.0.1"):
         assert reason_label(hostile) == "other"
+
+
+def test_distinct_reasons_per_attestor_are_capped() -> None:
+    m = Metrics()
+    for i in range(REASONS_PER_ATTESTOR + 10):
+        m.join("plugin-a", "refused", f"reason-{i}")
+        m.renewal("refused", f"reason-{i}")
+    m.join("plugin-a", "refused", "reason-0")  # one already counted keeps its label
+    m.join("plugin-b", "refused", "reason-40")  # another attestor has its own allowance
+
+    def reasons(name: str, **match: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for family in m.registry.collect():
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in match.items()):
+                    out[s.labels["reason"]] = s.value
+        return out
+
+    joined = reasons("bc_join_refusals_total", attestor="plugin-a")
+    assert len(joined) == REASONS_PER_ATTESTOR + 1
+    assert joined["other"] == 10
+    assert joined["reason-0"] == 2
+    assert "reason-40" not in joined
+    assert reasons("bc_join_refusals_total", attestor="plugin-b") == {"reason-40": 1}
+    renewed = reasons("bc_renewal_refusals_total")
+    assert len(renewed) == REASONS_PER_ATTESTOR + 1
+    assert renewed["other"] == 10
 
 
 async def test_two_metrics_never_share_a_counter() -> None:

@@ -53,6 +53,40 @@ def test_systemd_credential_is_read(home: Path, tmp_path: Path) -> None:
     assert "a new join encryption key" in done.stdout
 
 
+@pytest.mark.parametrize(
+    ("mode", "credential_ok", "secret_file_ok"),
+    [
+        # systemd's LoadCredential=: root's 0400 plus a POSIX ACL for the service user,
+        # whose mask stat shows in the group bits
+        (0o440, True, False),
+        (0o460, False, False),  # group write
+        (0o450, False, False),  # group exec
+        (0o444, False, False),  # others
+        (0o400, True, True),
+    ],
+)
+def test_a_credential_may_be_group_readable_and_a_secret_file_not(
+    home: Path, tmp_path: Path, mode: int, credential_ok: bool, secret_file_ok: bool
+) -> None:
+    creds = tmp_path / "creds"
+    creds.mkdir(mode=0o700)
+    credential = _secret_file(creds / "better-compute-secret", mode=mode)
+    env = {**cli_env(home, secret=False), "CREDENTIALS_DIRECTORY": str(creds)}
+    done = run([BC, "pki", "rotate-join-key"], env=env, timeout=30)
+    assert (done.returncode == 0) is credential_ok, done.stderr
+    if not credential_ok:
+        assert f"the secret file {credential} can be read or changed by other users" in (
+            done.stderr
+        )
+    plain = _secret_file(tmp_path / "secret", mode=mode)
+    done = run([BC, "pki", "rotate-join-key", "--secret-file", str(plain)],
+               env=cli_env(home, secret=False), timeout=30)  # fmt: skip
+    assert (done.returncode == 0) is secret_file_ok, done.stderr
+    if not secret_file_ok:
+        assert f"(mode {mode:04o}): chmod 0600 {plain}" in done.stderr
+    assert SECRET not in done.stderr
+
+
 def test_serve_takes_its_secret_from_the_file(home: Path, tmp_path: Path) -> None:
     secret = _secret_file(tmp_path / "secret")
     env = cli_env(home, secret=False)

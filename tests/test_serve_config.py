@@ -5,11 +5,13 @@ change is refused. Real ``better-compute`` processes."""
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 
+from control import serveconfig
 from control.cli import build_parser
 from control.serveconfig import _subparser, keys
 from tests.e2e import BIN, SECRET, cli_env, run, start_serve
@@ -110,6 +112,56 @@ def test_a_readable_file_with_a_database_password_is_refused(tmp_path: Path) -> 
     assert done.returncode == 2
     assert "holds a database password and other users can read it" in done.stderr
     assert "hunter2" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "postgresql://u@db/x?password=hunter2hunter2",
+        "postgresql://db/x?sslmode=require&sslpassword=hunter2hunter2",
+        "postgresql:///x?host=/run/postgresql&password=hunter2hunter2",
+    ],
+)
+def test_a_password_in_the_query_counts_as_a_password(tmp_path: Path, url: str) -> None:
+    config = _config(tmp_path / "serve.toml", f'db = "{url}"\n', mode=0o644)
+    done = run([BC, "serve", "--config", str(config)], env=cli_env(tmp_path, secret=False))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"better-compute: usage: {config} holds a database password and other users can "
+        f"read it (mode 0644): chmod go-r {config}"
+    )
+    assert "hunter2" not in done.stderr
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o600], ids=["0644", "0600"])
+def test_a_malformed_database_url_is_a_usage_error(tmp_path: Path, mode: int) -> None:
+    config = _config(
+        tmp_path / "serve.toml", 'db = "postgresql://u:hunter2hunter2@[x/db"\n', mode=mode
+    )
+    done = run([BC, "serve", "--config", str(config)], env=cli_env(tmp_path, secret=False))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f'better-compute: usage: {config}: key "db": not a valid database URL'
+    )
+    assert "Traceback" not in done.stderr
+    assert "hunter2" not in done.stderr
+
+
+def test_the_mode_is_the_opened_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the mode judged is the fstat of the file read, never a second stat of the path
+    config = _config(tmp_path / "serve.toml", 'role = "all"\n', mode=0o644)
+    real_stat = os.stat
+    stats: list[object] = []
+
+    def stat(path: object, *args: object, **kwargs: object) -> os.stat_result:
+        stats.append(path)
+        return real_stat(path, *args, **kwargs)  # type: ignore[arg-type]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(serveconfig.os, "stat", stat)
+        table, mode = serveconfig.read(config)
+    assert (table, mode) == ({"role": "all"}, 0o644)
+    assert stats == []
 
 
 def test_a_missing_file_is_named(tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ import os
 import re
 import sqlite3
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import unquote, urlsplit, urlunsplit
 
 from control.errors import ControlError
 
@@ -34,13 +34,14 @@ def redact(url: str) -> str:
     try:
         parts = urlsplit(url)
         host = parts.hostname or ""
+        port = parts.port  # ValueError when not a number from 0 to 65535
     except ValueError:
         return url.split("://", 1)[0] + "://…"
     if parts.password is None and not parts.query:
         return url
     netloc = host if ":" not in host else f"[{host}]"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
+    if port is not None:
+        netloc += f":{port}"
     if parts.username:
         netloc = f"{parts.username}@{netloc}"
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
@@ -51,6 +52,34 @@ def _password(url: str) -> str | None:
         return urlsplit(url).password
     except ValueError:
         return None
+
+
+def _secrets(url: str) -> list[str]:
+    """What libpq may repeat of ``url`` that must not be shown: the password and every
+    query value, each as written and percent-decoded, longest first."""
+    found: set[str] = set()
+    password = _password(url)
+    if password:
+        found.add(password)
+    query = url.split("?", 1)[1] if "?" in url else ""
+    query = query.split("#", 1)[0]
+    for pair in query.split("&"):
+        found.add(pair.partition("=")[2])
+    if "@" in url.split("?", 1)[0]:  # the userinfo's password as written, if urlsplit fails
+        userinfo = url.split("://", 1)[-1].rsplit("@", 1)[0]
+        if ":" in userinfo:
+            found.add(userinfo.split(":", 1)[1])
+    found |= {unquote(s) for s in found}
+    return sorted((s for s in found if s), key=len, reverse=True)
+
+
+def _scrub(reason: str, url: str) -> str:
+    """``reason`` with every secret of ``url`` as ``***`` wherever it is not part of a
+    longer word, number or address (``connect_timeout=1`` leaves ``port 5432`` and
+    ``127.0.0.1`` whole)."""
+    for secret in _secrets(url):
+        reason = re.sub(rf"(?<!\w)(?<!\w\.){re.escape(secret)}(?!\w)(?!\.\w)", "***", reason)
+    return reason
 
 
 def scheme_ok(url: str) -> bool:
@@ -85,18 +114,31 @@ def _probe_sqlite(path: Path) -> None:
         ) from None
 
 
+def _malformed(exc: Exception, reason: str) -> bool:
+    """Whether the URL could not be parsed (nothing was tried): a conninfo parse error
+    (a bad percent escape, query parameter, port, sslmode…) or a host IDNA rejects."""
+    import psycopg
+
+    if isinstance(exc, (psycopg.ProgrammingError, ValueError)):  # UnicodeError too
+        return True
+    return reason.removeprefix("connection is bad: ").startswith(("invalid ", "missing "))
+
+
 def _probe_postgres(url: str) -> None:
     import psycopg
 
     shown = redact(url)
     try:
         psycopg.connect(url, connect_timeout=CONNECT_TIMEOUT_S, autocommit=True).close()
-    except psycopg.Error as exc:
+    except (psycopg.Error, ValueError, UnicodeError, OSError) as exc:
         reason = " ".join(str(exc).split("\n", 1)[0].split())
         reason = reason.removeprefix("connection failed: ")
-        password = _password(url)
-        if password:
-            reason = reason.replace(password, "…")
+        if _malformed(exc, reason):
+            # libpq's text repeats the value it could not parse, which may be a secret
+            raise DatabaseUnreachable(
+                f"the database URL is malformed: {shown}; correct it in --db"
+            ) from None
+        reason = _scrub(reason, url)
         if re.search(r'database ".*" does not exist', reason):
             back = "create it (createdb), or correct the database name in --db"
         elif re.search(r'role ".*" does not exist|authentication failed|pg_hba.conf', reason):
