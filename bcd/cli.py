@@ -280,13 +280,19 @@ def cmd_vouch(args: argparse.Namespace) -> int:
     return 0
 
 
+def version_text() -> str:
+    """What ``bcd version`` and ``bcd --version`` print."""
+    return f"bcd {__version__}"
+
+
 def cmd_version(args: argparse.Namespace) -> int:
-    print(f"bcd {__version__}")
+    print(version_text())
     return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
     top = _Parser(prog="bcd", description="bcd, the better-compute node agent")
+    top.add_argument("--version", action="version", version=version_text())
     sub = top.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
     p = sub.add_parser("join", help="join this machine with a join token (as root)")

@@ -43,6 +43,9 @@ class App:
     """``GET /readyz``: whether this replica can do its job now (the database answers)."""
     sign_notice: NoticeSigner | None = None
     """Signs the RevocationNotice of each certificate this API revokes (the join key)."""
+    attestors: tuple[str, ...] | None = None
+    """The loaded attestor plugins' names: a pool's policy.joinAttestors may name only
+    these (None: not checked)."""
 
     def _notice_signer(self) -> NoticeSigner:
         if self.sign_notice is None:
@@ -77,6 +80,10 @@ class App:
             return json_response(200, self.well_known())
         if path.startswith(downloads.PREFIX):
             return await downloads.serve_download(self.downloads, req.method, path)
+        if req.method == "GET" and (
+            m := re.fullmatch(r"/v1/tenants(?:/(ten_[0-9a-z]{26}|self))?", path)
+        ):
+            return await self._tenants(await self._authenticate(req), m.group(1), req.query)
         m = re.fullmatch(r"/v1/tenants/([a-z]+_[0-9a-z]{26})(/.*)", path)
         if not m:
             raise ControlError("NOT_FOUND", "no such path")
@@ -101,6 +108,28 @@ class App:
         if tenant is None:
             raise ControlError("UNAUTHENTICATED", "the API credential is not valid")
         return tenant
+
+    async def _tenants(self, caller: str, tenant_id: str | None, q: dict[str, str]) -> Response:
+        """``GET /v1/tenants`` (every tenant for the root tenant, else the caller's own)
+        and ``GET /v1/tenants/{id}`` (the caller's own, or any for the root tenant;
+        ``self``: the caller's own, which is how a CLI learns its credential's tenant)."""
+        if tenant_id == "self":
+            tenant_id = caller
+        if tenant_id is not None:
+            return json_response(
+                200, await self.run(lambda tx: tenancy.show_tenant(tx, caller, tenant_id))
+            )
+        size, token = _paging(q, "ten")
+        return json_response(
+            200,
+            await self.run(
+                lambda tx: tenancy.list_tenants(tx, caller, page_size=size, page_token=token)
+            ),
+        )
+
+    def _check_attestors(self, policy: dict[str, Any]) -> None:
+        if self.attestors is not None:
+            tenancy.check_policy_attestors(policy, self.attestors)
 
     def well_known(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
@@ -130,6 +159,7 @@ class App:
         policy = body.get("policy") or {}
         if not isinstance(policy, dict):
             raise invalid("policy must be an object")
+        self._check_attestors(policy)
 
         def create(tx: Tx) -> dict[str, Any]:
             site = tx.one("SELECT tenant_id FROM sites WHERE id = ?", (site_id,))
@@ -138,6 +168,39 @@ class App:
             return tenancy.create_pool(tx, tenant, site_id, name, agent, policy)
 
         return json_response(200, await self.run(create))
+
+    async def _r_sites_list(self, tenant: str, body: dict[str, Any], q: dict[str, str]) -> Response:
+        size, token = _paging(q, "site", tenancy.SITE_POOL_PAGE_MAX)
+        return json_response(
+            200,
+            await self.run(
+                lambda tx: tenancy.list_sites(tx, tenant, page_size=size, page_token=token)
+            ),
+        )
+
+    async def _r_sites_show(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], site_id: str
+    ) -> Response:
+        return json_response(200, await self.run(lambda tx: tenancy.show_site(tx, tenant, site_id)))
+
+    async def _r_pools_list(self, tenant: str, body: dict[str, Any], q: dict[str, str]) -> Response:
+        size, token = _paging(q, "pool", tenancy.SITE_POOL_PAGE_MAX)
+        site = q.get("siteId") or None
+        if site is not None and not re.fullmatch(r"site_[0-9a-z]{26}", site):
+            raise invalid("siteId must be a site id (site_…)")
+        return json_response(
+            200,
+            await self.run(
+                lambda tx: tenancy.list_pools(
+                    tx, tenant, site_id=site, page_size=size, page_token=token
+                )
+            ),
+        )
+
+    async def _r_pools_show(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str
+    ) -> Response:
+        return json_response(200, await self.run(lambda tx: tenancy.show_pool(tx, tenant, pool_id)))
 
     async def _r_tokens_create(
         self, tenant: str, body: dict[str, Any], q: dict[str, str], pool_id: str
@@ -259,6 +322,7 @@ class App:
         policy = body.get("policy")
         if not isinstance(policy, dict):
             raise invalid("policy must be an object")
+        self._check_attestors(policy)
         return json_response(
             200, await self.run(lambda tx: tenancy.set_pool_policy(tx, tenant, pool_id, policy))
         )
@@ -293,7 +357,11 @@ class App:
 
 _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("POST", re.compile(r"/sites"), "sites_create"),
+    ("GET", re.compile(r"/sites"), "sites_list"),
+    ("GET", re.compile(r"/sites/(site_[0-9a-z]{26})"), "sites_show"),
     ("POST", re.compile(r"/pools"), "pools_create"),
+    ("GET", re.compile(r"/pools"), "pools_list"),
+    ("GET", re.compile(r"/pools/(pool_[0-9a-z]{26})"), "pools_show"),
     ("POST", re.compile(r"/pools/(pool_[0-9a-z]{26})/join-tokens"), "tokens_create"),
     ("GET", re.compile(r"/pools/(pool_[0-9a-z]{26})/join-tokens"), "tokens_list"),
     (
@@ -367,6 +435,18 @@ def _bounded_int(
     if not (text.isascii() and text.isdigit()) or len(text) > 15 or not low <= int(text) <= high:
         raise invalid(f"{name} must be a whole number from {low} to {high}")
     return int(text)
+
+
+def _paging(
+    q: dict[str, str], prefix: str, page_max: int = tenancy.PAGE_MAX
+) -> tuple[int, str | None]:
+    """``pageSize`` (1 to ``page_max``, default 100) and ``pageToken`` (the last id of
+    the page before, ``{prefix}_…``) of a list."""
+    size = _bounded_int(q, "pageSize", 1, page_max, tenancy.PAGE_DEFAULT)
+    token = q.get("pageToken") or None
+    if token is not None and not re.fullmatch(rf"{prefix}_[0-9a-z]{{26}}", token):
+        raise invalid(f"pageToken must be an id ({prefix}_…), the nextPageToken of a page")
+    return size or tenancy.PAGE_DEFAULT, token
 
 
 def _error(exc: ControlError) -> Response:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from bcd import __version__
 from bcd.errors import describe_os_error, os_error_in
 from control.cli_admin import (
     cmd_migrate,
@@ -33,11 +34,17 @@ from control.cli_client import (
     cmd_nodes_revoke_identity,
     cmd_nodes_show,
     cmd_pools_create,
+    cmd_pools_list,
     cmd_pools_set_policy,
+    cmd_pools_show,
     cmd_requests_approve,
     cmd_requests_list,
     cmd_requests_reject,
     cmd_sites_create,
+    cmd_sites_list,
+    cmd_sites_show,
+    cmd_tenants_list,
+    cmd_tenants_show,
     cmd_tokens_create,
     cmd_tokens_list,
     cmd_tokens_revoke,
@@ -45,11 +52,14 @@ from control.cli_client import (
 from control.cli_common import (
     DEFAULT_API,
     DEFAULT_HOME,
+    SECRET_FILE_HELP,
+    TENANT_HELP,
     _cert_ttl,
     _home,
     _Parser,
     _secret,
     parse_ttl,
+    usage_error,
 )
 from control.errors import ControlError
 
@@ -59,7 +69,7 @@ def cmd_daemon_install_script(args: argparse.Namespace) -> int:
     from control import installscript, pki
 
     try:
-        loaded = pki.load_pki(_home(args) / "pki", _secret())
+        loaded = pki.load_pki(_home(args) / "pki", _secret(args))
     except pki.PkiSetupError as exc:
         raise ControlError("INVALID_CONFIG", str(exc)) from exc
     jwk = loaded.well_known_join()["encryptionJwk"]
@@ -96,15 +106,22 @@ def cmd_daemon_install_script(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     top = _Parser(prog="better-compute", description="the better-compute reference control plane")
+    top.add_argument("--version", action="version", version=f"better-compute {__version__}")
     top.add_argument(
         "--home", help=f"state directory (default $BETTER_COMPUTE_HOME or {DEFAULT_HOME})"
     )
     sub = top.add_subparsers(dest="group", required=True, parser_class=_Parser)
 
-    def verb(group: Any, name: str, fn: Any, *, client: bool = False, db: bool = False) -> Any:
+    def verb(
+        group: Any, name: str, fn: Any, *, client: bool = False, db: bool = False,
+        secret: bool = False, json: bool = True,
+    ) -> Any:  # fmt: skip
         p = group.add_parser(name)
         p.set_defaults(fn=fn)
-        p.add_argument("--json", action="store_true", help="print JSON")
+        if json:  # not on a verb whose output cannot be JSON (serve, a script): a usage error
+            p.add_argument("--json", action="store_true", help="print JSON")
+        if secret:
+            p.add_argument("--secret-file", metavar="FILE", help=SECRET_FILE_HELP)
         if client:
             p.add_argument(
                 "--api", help=f"control plane URL (default $BETTER_COMPUTE_API or {DEFAULT_API})"
@@ -114,12 +131,21 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--db", help="database URL: sqlite:///FILE (default) or postgresql://…")
         return p
 
+    def paging(p: Any) -> None:
+        p.add_argument(
+            "--page-size",
+            type=int,
+            default=100,
+            help="1 to 1000 (sites and pools: 1 to 100) (default 100)",
+        )
+        p.add_argument("--page-token", help="the nextPageToken of the previous page")
+
     pki_group = sub.add_parser("pki").add_subparsers(
         dest="verb", required=True, parser_class=_Parser
     )
-    p = verb(pki_group, "init", cmd_pki_init)
+    p = verb(pki_group, "init", cmd_pki_init, secret=True)
     p.add_argument("--trust-domain", required=True)
-    p = verb(pki_group, "issue-gateway", cmd_pki_issue_gateway)
+    p = verb(pki_group, "issue-gateway", cmd_pki_issue_gateway, secret=True)
     p.add_argument("--san", required=True, help="the gateway's DNS name or IP address")
     p.add_argument(
         "--out",
@@ -127,13 +153,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="write a gateway bundle (serving and relay certificates and keys, unencrypted, "
         "0600) for a gateway-role host to DIR instead of into the PKI",
     )
-    verb(pki_group, "pins", cmd_pki_pins)
-    verb(pki_group, "rotate-join-key", cmd_pki_rotate_join_key)
+    verb(pki_group, "pins", cmd_pki_pins, secret=True)
+    verb(pki_group, "rotate-join-key", cmd_pki_rotate_join_key, secret=True)
 
     daemon = sub.add_parser("daemon").add_subparsers(
         dest="verb", required=True, parser_class=_Parser
     )
-    p = verb(daemon, "install-script", cmd_daemon_install_script)
+    p = verb(daemon, "install-script", cmd_daemon_install_script, secret=True, json=False)
     p.add_argument("--pool", required=True, help="the pool the machines join (pool_…)")
     p.add_argument("--site", required=True, help="the site written to config.toml (site_…)")
     p.add_argument("--gateway-url", required=True, help="https://host[:port] the nodes dial")
@@ -150,7 +176,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", help="write the script to this file (mode 0755) instead of stdout")
 
-    p = verb(sub, "serve", cmd_serve, db=True)
+    p = verb(sub, "serve", cmd_serve, db=True, secret=True, json=False)
+    p.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of serve's flags (key: the flag's name without --); flags override it",
+    )
     p.add_argument(
         "--role",
         choices=["all", "api", "gateway"],
@@ -187,6 +218,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="on SIGTERM, how long calls in flight may take to finish (default 30)",
+    )
+    p.add_argument(
+        "--metrics-listen",
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (plain HTTP; default off)",
     )
     p.add_argument(
         "--gateway-san", default="127.0.0.1", help="which issued gateway certificate to serve"
@@ -245,22 +281,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--name", required=True)
     p.add_argument("--root", action="store_true", help="the root (platform) tenant")
     p.add_argument("--credential-out", required=True, help="new 0600 file for the API credential")
+    p = verb(tenants, "list", cmd_tenants_list, client=True)
+    paging(p)
+    p = verb(tenants, "show", cmd_tenants_show, client=True)
+    p.add_argument("tenant_id", nargs="?", help="ten_… (default: the credential's own tenant)")
 
     sites = sub.add_parser("sites").add_subparsers(dest="verb", required=True, parser_class=_Parser)
     p = verb(sites, "create", cmd_sites_create, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--name", required=True)
+    p = verb(sites, "list", cmd_sites_list, client=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
+    paging(p)
+    p = verb(sites, "show", cmd_sites_show, client=True)
+    p.add_argument("site_id")
+    p.add_argument("--tenant", help=TENANT_HELP)
 
     pools = sub.add_parser("pools").add_subparsers(dest="verb", required=True, parser_class=_Parser)
     p = verb(pools, "create", cmd_pools_create, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--site", required=True)
     p.add_argument("--name", required=True)
     p.add_argument("--agent", default="bcd")
     p.add_argument("--attestors", help="policy.joinAttestors, comma separated")
     p.add_argument("--acceptance-checks", action="store_true")
+    p = verb(pools, "list", cmd_pools_list, client=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
+    p.add_argument("--site", help="only this site's pools")
+    paging(p)
+    p = verb(pools, "show", cmd_pools_show, client=True)
+    p.add_argument("pool_id")
+    p.add_argument("--tenant", help=TENANT_HELP)
     p = verb(pools, "set-policy", cmd_pools_set_policy, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--pool", required=True)
     p.add_argument("--attestors", help="policy.joinAttestors, comma separated (none: any)")
     p.add_argument("--acceptance-checks", action="store_true")
@@ -270,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="verb", required=True, parser_class=_Parser
     )
     p = verb(jt, "create", cmd_tokens_create, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--pool", required=True)
     p.add_argument("--ttl", type=parse_ttl, default=3600, help="1m to 24h (default 1h)")
     p.add_argument("--max-uses", type=int, default=1)
@@ -284,21 +337,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--key", help="idempotency key")
     p.add_argument("--out", help="write the token to this new 0600 file instead of printing it")
     p = verb(jt, "list", cmd_tokens_list, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--pool", required=True)
     p.add_argument("--all", action="store_true", help="include revoked, expired and used-up tokens")
     p.add_argument("--page-size", type=int, default=100)
     p.add_argument("--page-token")
     p = verb(jt, "revoke", cmd_tokens_revoke, client=True)
     p.add_argument("token_id")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--pool", required=True)
 
     jr = sub.add_parser("join-requests").add_subparsers(
         dest="verb", required=True, parser_class=_Parser
     )
     p = verb(jr, "list", cmd_requests_list, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--pool", required=True)
     p.add_argument(
         "--state",
@@ -310,7 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--page-token", help="the nextPageToken of the previous page")
     p = verb(jr, "approve", cmd_requests_approve, client=True)
     p.add_argument("request_id")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--pool", required=True)
     p.add_argument(
         "--ttl",
@@ -327,35 +380,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p = verb(jr, "reject", cmd_requests_reject, client=True)
     p.add_argument("request_id")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--pool", required=True)
     p.add_argument("--reason")
 
     ev = sub.add_parser("events").add_subparsers(dest="verb", required=True, parser_class=_Parser)
     p = verb(ev, "list", cmd_events_list, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--type")
     p.add_argument("--since", help="unix milliseconds")
 
     nd = sub.add_parser("nodes").add_subparsers(dest="verb", required=True, parser_class=_Parser)
     p = verb(nd, "list", cmd_nodes_list, client=True)
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p = verb(nd, "show", cmd_nodes_show, client=True)
     p.add_argument("node_id")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p = verb(nd, "revoke-identity", cmd_nodes_revoke_identity, client=True)
     p.add_argument("node_id")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     p.add_argument("--reason", help="sent to the node with the revocation (default: revoked)")
     p = verb(nd, "delete", cmd_nodes_delete, client=True)
     p.add_argument("node_id")
-    p.add_argument("--tenant", required=True)
+    p.add_argument("--tenant", help=TENANT_HELP)
     return top
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.umask(0o077)  # the store, logs and anything else we create: owner only
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None):
+        from control import serveconfig
+
+        try:
+            serveconfig.apply(
+                parser, sys.argv[1:] if argv is None else argv, args, Path(args.config)
+            )
+        except serveconfig.ServeConfigError as exc:
+            usage_error(str(exc))
     try:
         code: int = args.fn(args)
     except ControlError as exc:

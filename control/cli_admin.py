@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from bcd import fs
-from control.cli_common import _db_url, _emit, _home, _now, _secret
+from control.cli_common import _db_url, _emit, _home, _now, _secret, secret_configured
 from control.errors import ControlError
 
 # --- pki ------------------------------------------------------------------------------
@@ -19,7 +19,7 @@ from control.errors import ControlError
 def cmd_pki_init(args: argparse.Namespace) -> int:
     from control import pki
 
-    secret = _secret()
+    secret = _secret(args)
     directory = _home(args) / "pki"
     try:
         pki.init_pki(directory, args.trust_domain, secret, _now())
@@ -28,16 +28,17 @@ def cmd_pki_init(args: argparse.Namespace) -> int:
         raise ControlError(
             "ALREADY_EXISTS" if "already" in str(exc) else "INVALID_ARGUMENT", str(exc)
         ) from exc
-    print(f"PKI for {args.trust_domain} written to {directory}")
-    for name, pin in loaded.pins().items():
-        print(f'{name} = "{pin}"')
+    pins = loaded.pins()
+    text = "\n".join([f"PKI for {args.trust_domain} written to {directory}"]
+                     + [f'{name} = "{pin}"' for name, pin in pins.items()])  # fmt: skip
+    _emit(args, {"trustDomain": args.trust_domain, "directory": str(directory), "pins": pins}, text)
     return 0
 
 
 def cmd_pki_issue_gateway(args: argparse.Namespace) -> int:
     from control import pki
 
-    secret = _secret()
+    secret = _secret(args)
     directory = _home(args) / "pki"
     try:
         loaded = pki.load_pki(directory, secret)
@@ -45,12 +46,14 @@ def cmd_pki_issue_gateway(args: argparse.Namespace) -> int:
             from control import gatewaypki
 
             meta = gatewaypki.issue_bundle(loaded, Path(args.out), args.san, _now())
-            print(f"gateway bundle for {args.san} written to {meta.parent}")
+            _emit(args, {"san": args.san, "bundle": str(meta.parent)},
+                  f"gateway bundle for {args.san} written to {meta.parent}")  # fmt: skip
             return 0
         cert, _key = pki.issue_gateway(loaded, directory, args.san, secret, _now())
     except (pki.PkiSetupError, ValueError) as exc:
         raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
-    print(f"gateway certificate for {args.san} written to {cert}")
+    _emit(args, {"san": args.san, "certificate": str(cert)},
+          f"gateway certificate for {args.san} written to {cert}")  # fmt: skip
     return 0
 
 
@@ -60,7 +63,7 @@ def cmd_pki_pins(args: argparse.Namespace) -> int:
     directory = _home(args) / "pki"
     try:
         found = pki.public_pins(directory)  # public values: no secret needed
-        pins = found if found is not None else pki.load_pki(directory, _secret()).pins()
+        pins = found if found is not None else pki.load_pki(directory, _secret(args)).pins()
     except pki.PkiSetupError as exc:
         raise ControlError("INVALID_CONFIG", str(exc)) from exc
     if args.json:
@@ -74,20 +77,23 @@ def cmd_pki_pins(args: argparse.Namespace) -> int:
 def cmd_pki_rotate_join_key(args: argparse.Namespace) -> int:
     from control import pki
 
-    secret = _secret()
+    secret = _secret(args)
     directory = _home(args) / "pki"
     try:
         retired = pki.rotate_join_encryption_key(directory, secret, _now())
         loaded = pki.load_pki(directory, secret)
     except pki.PkiSetupError as exc:
         raise ControlError("INVALID_CONFIG", str(exc)) from exc
-    print(f"a new join encryption key is in {directory}; the old one is kept as {retired.name}")
-    print(f'join_encryption_key_pin = "{loaded.pins()["join_encryption_key_pin"]}"')
-    print(
+    pin = loaded.pins()["join_encryption_key_pin"]
+    text = (
+        f"a new join encryption key is in {directory}; the old one is kept as {retired.name}\n"
+        f'join_encryption_key_pin = "{pin}"\n'
         "restart better-compute serve to use it, then generate every install script again "
         "(better-compute daemon install-script): old scripts and join-encryption.jwk files no "
         "longer match; joined nodes are not affected"
     )
+    _emit(args, {"directory": str(directory), "retired": retired.name,
+                 "join_encryption_key_pin": pin}, text)  # fmt: skip
     return 0
 
 
@@ -124,10 +130,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     _check_role_flags(args)
     if args.role == "gateway":
-        if os.environ.get("BETTER_COMPUTE_SECRET"):
+        named = secret_configured(args)
+        if named == "BETTER_COMPUTE_SECRET":
             raise ControlError(
                 "INVALID_CONFIG",
                 "a gateway holds no PKI key: unset BETTER_COMPUTE_SECRET in its environment",
+            )
+        if named is not None:
+            raise ControlError(
+                "INVALID_CONFIG", f"a gateway holds no PKI key: give it no secret ({named})"
             )
         if not args.db and not os.environ.get("BETTER_COMPUTE_DB"):
             raise ControlError(
@@ -143,7 +154,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway_san=args.gateway_san,
         gateway_url=args.gateway_url,
         ready_file=Path(args.ready_file) if args.ready_file else None,
-        secret=None if args.role == "gateway" else _secret(),
+        secret=None if args.role == "gateway" else _secret(args),
         cert_ttl_s=args.cert_ttl_seconds,
         attestor_settings=_attestor_settings(args),
         downloads=Path(args.downloads) if args.downloads else None,
@@ -153,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway_dir=Path(args.gateway_dir) if args.gateway_dir else None,
         api_upstreams=args.api_upstream or (),
         drain_s=args.drain_seconds,
+        metrics_listen=args.metrics_listen,
     )
 
 
@@ -181,20 +193,22 @@ def _attestor_settings(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_migrate(args: argparse.Namespace) -> int:
-    from control.store import open_store
+    from control.store import open_store, reach
 
-    store = open_store(_db_url(args))
+    url = _db_url(args)
+    reach.probe(url)
+    store = open_store(url)
     try:
         applied = store.migrate()
     finally:
         store.close()
-    print(f"applied migrations: {applied or 'none'}")
+    _emit(args, {"applied": applied}, f"applied migrations: {applied or 'none'}")
     return 0
 
 
 def cmd_tenants_create(args: argparse.Namespace) -> int:
     from control import tenancy
-    from control.store import open_store
+    from control.store import open_store, reach
 
     out = Path(args.credential_out)
     if out.exists() or out.is_symlink():
@@ -202,7 +216,9 @@ def cmd_tenants_create(args: argparse.Namespace) -> int:
             "ALREADY_EXISTS", f"{out} exists; --credential-out never writes over a file"
         )
     _home(args).mkdir(parents=True, exist_ok=True, mode=0o700)
-    store = open_store(_db_url(args))
+    url = _db_url(args)
+    reach.probe(url)
+    store = open_store(url)
     written = False
     try:
         store.migrate()

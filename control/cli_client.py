@@ -6,11 +6,13 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import urllib.parse
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from bcd import fs
-from control.cli_common import _client, _emit
+from control.cli_common import _client, _emit, _now, usage_error
 from control.errors import ControlError
 
 
@@ -20,10 +22,102 @@ def cmd_sites_create(args: argparse.Namespace) -> int:
     return 0
 
 
+def _paged(args: argparse.Namespace, path: str, line: Any, **query: str | None) -> int:
+    """``GET path`` (``{tenant}`` the --tenant), one page (--page-size, --page-token), and
+    print it: JSON, or a line a record and the way to the next page."""
+    client = _client(args)
+    params = {"pageSize": str(args.page_size), "pageToken": args.page_token, **query}
+    qs = urllib.parse.urlencode({k: v for k, v in params.items() if v})
+    page = client.call("GET", f"{path.format(tenant=getattr(args, 'tenant', ''))}?{qs}")
+    if args.json:
+        print(json.dumps(page, indent=2))
+        return 0
+    for rec in page["items"]:
+        print(line(rec))
+    if page.get("nextPageToken"):
+        print(f"more: --page-token {page['nextPageToken']}")
+    return 0
+
+
+def _tenant_line(rec: dict[str, Any]) -> str:
+    return (
+        f"{rec['id']}  {rec['name']}{'  (root)' if rec['root'] else ''}  created {rec['createdAt']}"
+    )
+
+
+def _site_line(rec: dict[str, Any]) -> str:
+    return f"{rec['id']}  {rec['name']}  created {rec['createdAt']}"
+
+
+def _pool_line(rec: dict[str, Any]) -> str:
+    attestors = rec["policy"].get("joinAttestors")
+    admits = ", ".join(attestors) if isinstance(attestors, list) else "any attestor"
+    checks = "  acceptance checks" if rec["policy"].get("acceptanceChecks") else ""
+    return (
+        f"{rec['id']}  {rec['name']}  site {rec['siteId']}  agent {rec['agent']}  "
+        f"admits {admits}{checks}"
+    )
+
+
+def _shown(args: argparse.Namespace, path: str, line: Any) -> int:
+    client = _client(args)
+    rec = client.call("GET", path.format(tenant=getattr(args, "tenant", "")))
+    _emit(args, rec, line(rec))
+    return 0
+
+
+def cmd_tenants_list(args: argparse.Namespace) -> int:
+    return _paged(args, "/v1/tenants", _tenant_line)
+
+
+def cmd_tenants_show(args: argparse.Namespace) -> int:
+    if args.tenant_id is None:
+        return _shown(args, "/v1/tenants/self", _tenant_line)
+    _id_arg(args.tenant_id, "ten", "tenant")
+    return _shown(args, f"/v1/tenants/{args.tenant_id}", _tenant_line)
+
+
+def cmd_sites_list(args: argparse.Namespace) -> int:
+    return _paged(args, "/v1/tenants/{tenant}/sites", _site_line)
+
+
+def cmd_sites_show(args: argparse.Namespace) -> int:
+    _id_arg(args.site_id, "site", "site")
+    return _shown(args, f"/v1/tenants/{{tenant}}/sites/{args.site_id}", _site_line)
+
+
+def cmd_pools_list(args: argparse.Namespace) -> int:
+    return _paged(args, "/v1/tenants/{tenant}/pools", _pool_line, siteId=args.site)
+
+
+def cmd_pools_show(args: argparse.Namespace) -> int:
+    _id_arg(args.pool_id, "pool", "pool")
+    return _shown(args, f"/v1/tenants/{{tenant}}/pools/{args.pool_id}", _pool_line)
+
+
+def _id_arg(value: str, prefix: str, what: str) -> None:
+    if not re.fullmatch(rf"{prefix}_[0-9a-z]{{26}}", value):
+        raise ControlError("INVALID_ARGUMENT", f"{value[:64]!r} is not a {what} id ({prefix}_…)")
+
+
+def _attestor_list(text: str | None) -> list[str] | None:
+    """--attestors as a list, each name one a loaded plugin serves (else a usage error)."""
+    if not text:
+        return None
+    names = [a.strip() for a in text.split(",") if a.strip()]
+    from bcd.plugins import load_plugins
+    from control.tenancy import unknown_attestors
+
+    problem = unknown_attestors(names, load_plugins().names())
+    if problem is not None:
+        usage_error(f"--attestors: {problem}")
+    return names
+
+
 def cmd_pools_create(args: argparse.Namespace) -> int:
     policy: dict[str, Any] = {}
-    if args.attestors:
-        policy["joinAttestors"] = [a.strip() for a in args.attestors.split(",") if a.strip()]
+    if (attestors := _attestor_list(args.attestors)) is not None:
+        policy["joinAttestors"] = attestors
     if args.acceptance_checks:
         policy["acceptanceChecks"] = True
     body = {"siteId": args.site, "name": args.name, "agent": args.agent, "policy": policy}
@@ -34,8 +128,8 @@ def cmd_pools_create(args: argparse.Namespace) -> int:
 
 def cmd_pools_set_policy(args: argparse.Namespace) -> int:
     policy: dict[str, Any] = {}
-    if args.attestors:
-        policy["joinAttestors"] = [a.strip() for a in args.attestors.split(",") if a.strip()]
+    if (attestors := _attestor_list(args.attestors)) is not None:
+        policy["joinAttestors"] = attestors
     if args.acceptance_checks:
         policy["acceptanceChecks"] = True
     if args.kubernetes_platform_operated:
@@ -57,9 +151,24 @@ def _expect(args: argparse.Namespace) -> dict[str, str]:
     return {k: v for k, v in pairs.items() if v}
 
 
+def token_state(rec: dict[str, Any], now: datetime) -> str:
+    """``revoked``, ``used-up``, ``expired`` or ``active``, in that order (a revoked
+    token that also expired is shown revoked: that is what an operator did)."""
+    if rec["revoked"]:
+        return "revoked"
+    if rec["usesLeft"] <= 0:
+        return "used-up"
+    if datetime.fromisoformat(rec["expiresAt"]) <= now:
+        return "expired"
+    return "active"
+
+
 def _token_line(rec: dict[str, Any]) -> str:
-    state = "revoked" if rec["revoked"] else f"{rec['usesLeft']}/{rec['maxUses']} uses left"
-    return f"{rec['id']}  {rec['role']}  {state}  expires {rec['expiresAt']}"
+    state = token_state(rec, _now())
+    return (
+        f"{rec['id']}  {rec['role']}  {state}  {rec['usesLeft']}/{rec['maxUses']} uses left  "
+        f"expires {rec['expiresAt']}"
+    )
 
 
 def cmd_tokens_create(args: argparse.Namespace) -> int:
@@ -117,6 +226,9 @@ def cmd_tokens_list(args: argparse.Namespace) -> int:
     page = _client(args).call(
         "GET", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-tokens{query}"
     )
+    now = _now()
+    for rec in page["items"]:
+        rec["state"] = token_state(rec, now)
     if args.json:
         print(json.dumps(page, indent=2))
     else:

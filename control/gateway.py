@@ -43,7 +43,8 @@ from control import discovery, renewal
 from control.errors import ControlError, Refused, StoreUnavailable
 from control.http import Request, Response, error_response, health_response
 from control.joinservice import JoinService
-from control.store import Store, Tx
+from control.metrics import Metrics
+from control.store import Row, Store, Tx
 
 log = logging.getLogger("control.gateway")
 
@@ -54,6 +55,11 @@ REVOCATION_POLL_S = 1.0
 T = TypeVar("T")
 _DRAIN: dict[str, Any] = {"type": "drain"}  # never sent: ends the stream
 _UPSTREAM_PATHS = frozenset({"/v1/join", "/v1/renew", discovery.VOUCH_PATH})
+_LIMIT_OF_PATH = {  # what a RESOURCE_EXHAUSTED of each call ran into
+    "/v1/join": "join-requests-pending",
+    "/v1/renew": "renewals-per-node",
+    discovery.VOUCH_PATH: "vouches-per-site-agent",
+}
 
 
 @dataclass
@@ -91,12 +97,16 @@ class NodeCalls:
     joinservice: JoinService
     renewservice: renewal.RenewService
     limiter: trio.CapacityLimiter
+    metrics: Metrics = field(default_factory=Metrics)
 
     async def _run(self, fn: Callable[[Tx], T]) -> T:
         return await _in_tx(self.store, self.limiter, fn)
 
     async def handle(self, req: Request) -> Response:
-        return await answering(lambda: self._dispatch(req))
+        response = await answering(lambda: self._dispatch(req))
+        if response.status == 429 and req.path in _LIMIT_OF_PATH:
+            self.metrics.limit_hit(_LIMIT_OF_PATH[req.path])
+        return response
 
     async def _dispatch(self, req: Request) -> Response:
         if req.method == "POST" and req.path == "/v1/join":
@@ -116,6 +126,7 @@ class NodeCalls:
         node_id, _serial = await live_peer(self.store, self.limiter, req)
         pushback = await self._run(lambda tx: renewal.check_renew_rate(tx, node_id))
         if pushback is not None:
+            self.metrics.renewal("rate-limited")
             raise ControlError(
                 "RESOURCE_EXHAUSTED",
                 "at most 6 renewals per node and hour",
@@ -207,6 +218,13 @@ class Gateway:
     by_node: dict[str, list[_Session]] = field(default_factory=dict)
     _poked: trio.Event = field(default_factory=trio.Event)
     draining: bool = False
+    metrics: Metrics = field(default_factory=Metrics)
+
+    def __post_init__(self) -> None:
+        # read at a scrape: always what the gateway holds, however a stream ended
+        self.metrics.sessions_live.set_function(
+            lambda: sum(len(peers) for peers in self.sessions.values())
+        )
 
     def poke(self) -> None:
         """Look for revocations now (one was made through this process, or notified)."""
@@ -274,6 +292,7 @@ class Gateway:
         self._replace_older(session)
         self.sessions.setdefault(serial, []).append(session)
         self.by_node.setdefault(node_id, []).append(session)
+        self.metrics.session_opens.inc()
         session_id = "sess_" + secrets.token_hex(8)
         log.info(
             "session %s open for %s (journal %s, daemon %s)",
@@ -343,7 +362,7 @@ class Gateway:
             # keeps a revocation from being sent twice.
             mark = since - renewal.REVOKED_SINCE_OVERLAP_MS
             try:
-                rows = await self._run(functools.partial(renewal.revoked_since, since_ms=mark))
+                rows, now_ms = await self._run(functools.partial(_revoked_and_now, since_ms=mark))
             except StoreUnavailable:  # catch up from ``since`` once it answers again
                 if not store_down:
                     log.warning("revocation poll: the database is unavailable; retrying")
@@ -374,9 +393,17 @@ class Gateway:
                         log.warning(
                             "could not deliver a revocation to a session of %s", session.node_id
                         )
+                        continue
+                    self.metrics.revocations_pushed.inc()
+                    self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)
             for serial, at in list(seen.items()):
                 if at < mark - 1000:
                     del seen[serial]
+
+
+def _revoked_and_now(tx: Tx, since_ms: int) -> tuple[list[Row], int]:
+    """The revocations since ``since_ms`` and the database's time (delivery latency)."""
+    return renewal.revoked_since(tx, since_ms=since_ms), tx.now_ms()
 
 
 def peer_host(remote: str) -> str | None:

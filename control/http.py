@@ -59,6 +59,15 @@ class Response:
 
 
 Handler = Callable[[Request], Awaitable[Response]]
+OnLimit = Callable[[str], None]
+"""Told the name of each limit a connection or request ran into (metrics)."""
+_LIMIT_OF_STATUS = {413: "request-body", 431: "request-head"}
+
+
+def _no_limit(_name: str) -> None:
+    pass
+
+
 _JSON = ("content-type", "application/json")
 
 
@@ -79,6 +88,7 @@ class Limits:
 @dataclass
 class _Gate:
     limits: Limits
+    on_limit: OnLimit = _no_limit
     total: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
     refused: int = 0
@@ -87,6 +97,8 @@ class _Gate:
     def admit(self, source: str) -> bool:
         here = self.by_source.get(source, 0)
         if self.total >= self.limits.max_connections or here >= self.limits.max_per_source:
+            full = self.total >= self.limits.max_connections
+            self.on_limit("connections" if full else "connections-per-source")
             self.refused += 1
             now = trio.current_time()
             if now - self.warned_at >= 60:
@@ -180,6 +192,7 @@ async def serve(
     max_body: int = 64 * 1024,
     life: Lifecycle | None = None,
     limits: Limits | None = None,
+    on_limit: OnLimit = _no_limit,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on host:port (0: any free port) until cancelled or drained.
@@ -196,8 +209,10 @@ async def serve(
         listeners = listeners[:1]
     actual: int = listeners[0].socket.getsockname()[1]
     limits = limits or Limits()
-    gate = _Gate(limits)
-    connection = partial(_connection, handler, ssl_context, max_body, life, limits.idle_timeout)
+    gate = _Gate(limits, on_limit)
+    connection = partial(
+        _connection, handler, ssl_context, max_body, life, limits.idle_timeout, on_limit
+    )
     async with trio.open_nursery() as connections:
         with trio.CancelScope() as accepting:
             life.accepting.append(accepting)
@@ -278,6 +293,7 @@ async def _connection(
     max_body: int,
     life: Lifecycle,
     idle_timeout: float,
+    on_limit: OnLimit,
     tcp: trio.SocketStream,
     remote: str,
 ) -> None:
@@ -296,7 +312,7 @@ async def _connection(
             peer_der = tls.getpeercert(binary_form=True)
         if ssl_context is not None and peer_der is None:
             idle_timeout = min(idle_timeout, ANONYMOUS_IDLE_TIMEOUT)
-        await _serve_http(stream, handler, max_body, peer_der, remote, life, idle_timeout)
+        await _serve_http(stream, handler, max_body, peer_der, remote, life, idle_timeout, on_limit)
     except _GONE:
         pass  # the client went away or was too slow
     except Exception:
@@ -319,6 +335,7 @@ async def _serve_http(
     remote: str,
     life: Lifecycle,
     idle_timeout: float,
+    on_limit: OnLimit = _no_limit,
 ) -> None:
     conn = h11.Connection(h11.SERVER, max_incomplete_event_size=_MAX_HEAD)
     wait = FIRST_REQUEST_TIMEOUT  # a new connection: its first request comes soon or never
@@ -334,6 +351,8 @@ async def _serve_http(
             return
         if isinstance(got, tuple):  # refused before the handler: answer and hang up
             refusal, method = got
+            if refusal.status in _LIMIT_OF_STATUS:
+                on_limit(_LIMIT_OF_STATUS[refusal.status])
             await _respond(stream, conn, method, refusal)
             await _linger(stream)
             return

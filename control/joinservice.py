@@ -31,7 +31,7 @@ from __future__ import annotations
 import base64
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from cryptography import x509
 
@@ -54,6 +54,7 @@ from control.issuance import (
 )
 from control.joincontext import CHALLENGE_KEEP_MS
 from control.joincontext import JoinContext as _Ctx
+from control.metrics import Metrics
 from control.repos import CONCURRENT, platform_operated
 from control.store import Store, Tx
 
@@ -95,6 +96,8 @@ class _Attempt:
     seal: wire.OpenedSeal | None
     seal_error: str | None
     peer_ip: str | None = None
+    answered: list[str] = field(default_factory=list, compare=False)
+    """What the transaction answered (joined, challenge, pending): read after commit."""
 
     @property
     def attestor(self) -> str:
@@ -112,11 +115,13 @@ class JoinService:
         crypto: JoinCrypto | None,
         plugins: Plugins,
         settings: Mapping[str, str] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         self.store = store
         self.crypto = crypto
         self.plugins = plugins
         self.settings: Mapping[str, str] = dict(settings or {})
+        self.metrics = metrics or Metrics()
 
     def join(self, body: bytes, peer_ip: str | None = None) -> str:
         """Judge one JoinRequest body; return the SignedResponse or raise ControlError.
@@ -129,10 +134,23 @@ class JoinService:
         try:
             request = wire.parse_join_request(wire.loads_object(body))
         except wire.WireError as exc:
+            self.metrics.join(UNKNOWN_ATTESTOR, "error")
             raise invalid(f"malformed join request: {exc}") from exc
         attempt = _prepare(request, crypto, peer_ip)
+        try:
+            answer = self._judge(attempt, crypto)
+        except Refused:
+            raise  # counted by _record_refusal
+        except ControlError:
+            self.metrics.join(self._label(attempt), "error")
+            raise
+        self.metrics.join(self._label(attempt), attempt.answered[-1])
+        return answer
+
+    def _judge(self, attempt: _Attempt, crypto: JoinCrypto) -> str:
         for last in (False, True):
             try:
+                attempt.answered.clear()
                 with self.store.tx() as tx:
                     return self._admit(tx, attempt, crypto)
             except Refused as refusal:
@@ -223,6 +241,7 @@ class JoinService:
         leaf = x509.load_der_x509_certificate(base64.b64decode(row["der"]))
         spiffe = pki.leaf_info(leaf).spiffe
         log.info("join of %s answered again (its answer was lost)", spiffe.node_id)
+        attempt.answered.append("joined")
         return signed_identity(
             crypto,
             "joined",
@@ -267,6 +286,7 @@ class JoinService:
             "request_id": request_id,
             "retry_after_s": max(1, retry),
         }
+        attempt.answered.append("pending")
         return wire.sign_response(body, crypto.signing_key)
 
     def _challenge(self, attempt: _Attempt, verdict: Challenge, crypto: JoinCrypto) -> str:
@@ -283,6 +303,7 @@ class JoinService:
             "challenge": verdict.challenge,
             "not_after": verdict.not_after_ms,
         }
+        attempt.answered.append("challenge")
         return wire.sign_response(body, crypto.signing_key)
 
     def _issue(self, tx: Tx, attempt: _Attempt, admit: Admit, crypto: JoinCrypto) -> str:
@@ -388,11 +409,14 @@ class JoinService:
         events.audit(tx, tenant, "node.reclaimed" if reclaim else "node.joined", node_id, payload)
         if hw.trusted and hw.hex is not None:
             _report_shared_key(tx, tenant, node_id, hw.hex)
+        attempt.answered.append("joined")
         return signed_identity(
             crypto, "joined", spiffe, issue.role, leaf, attempt.csr_sha256, tx.now_ms(), generation
         )
 
     def _record_refusal(self, attempt: _Attempt, refusal: Refused) -> None:
+        label = self._label(attempt)
+        self.metrics.join(label, "refused", refusal.reason.removeprefix(f"{label}:"))
         record_refusal(
             self.store,
             refusal,

@@ -261,9 +261,7 @@ def _load_key(path: Path, directory: Path, secret: bytes, what: str) -> ec.Ellip
     try:
         key = _decrypt_key(data, secret)
     except (ValueError, TypeError):
-        raise PkiSetupError(
-            f"BETTER_COMPUTE_SECRET does not decrypt {what} in {directory}"
-        ) from None
+        raise PkiSetupError(f"the PKI secret does not decrypt {what} in {directory}") from None
     if not isinstance(key, ec.EllipticCurvePrivateKey) or not isinstance(key.curve, ec.SECP256R1):
         raise PkiSetupError(f"{path.name} in {directory} is not a P-256 key")
     return key

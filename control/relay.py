@@ -40,6 +40,7 @@ from control import discovery
 from control.errors import ControlError
 from control.gatewaypki import GatewayBundle, is_relay_certificate
 from control.http import Request, Response, error_response
+from control.metrics import Metrics
 from control.pki import load_chain
 
 log = logging.getLogger("control.relay")
@@ -76,10 +77,12 @@ class RelayClient:
         ctx: ssl.SSLContext,
         *,
         transport: httpx.AsyncBaseTransport | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
         if not upstreams:
             raise ControlError("INVALID_CONFIG", "a gateway needs at least one --api-upstream URL")
         self.upstreams = [u.rstrip("/") for u in upstreams]
+        self.metrics = metrics or Metrics()
         self._preferred = 0
         self._client = httpx.AsyncClient(
             verify=ctx,
@@ -100,6 +103,10 @@ class RelayClient:
         return [(self._preferred + i) % n for i in range(n)]
 
     async def forward(self, req: Request) -> Response:
+        with self.metrics.timed_relay():
+            return await self._forward(req)
+
+    async def _forward(self, req: Request) -> Response:
         headers = {  # built here, never copied from the node's request
             "content-type": "application/json",
             REMOTE_HEADER: req.remote[:MAX_REMOTE],

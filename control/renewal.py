@@ -42,6 +42,7 @@ from bcd.tpm.attestation import AttestationRefused, check_key_attestation
 from control import admission, events, repos
 from control.errors import ControlError, Refused, StoreConflict, invalid
 from control.issuance import JoinCrypto, issue_recorded_leaf, record_refusal, signed_identity
+from control.metrics import Metrics
 from control.proofs import proof_sha256, spend_proof
 from control.store import Row, Store, Tx
 
@@ -86,9 +87,12 @@ class _Attempt:
 class RenewService:
     """JoinService.Renew: ``renew(body, peer_cert_der)`` runs in a worker thread."""
 
-    def __init__(self, store: Store, crypto: JoinCrypto | None) -> None:
+    def __init__(
+        self, store: Store, crypto: JoinCrypto | None, metrics: Metrics | None = None
+    ) -> None:
         self.store = store
         self.crypto = crypto
+        self.metrics = metrics or Metrics()
 
     def renew(self, body: bytes, peer_cert_der: bytes | None) -> str:
         """Judge one RenewRequest body; return the SignedResponse or raise ControlError.
@@ -103,16 +107,24 @@ class RenewService:
         try:
             request = wire.parse_renew_request(wire.loads_object(body))
         except wire.WireError as exc:
+            self.metrics.renewal("error")
             raise invalid(f"malformed renew request: {exc}") from exc
         attempt = _prepare(request, peer_cert_der)
         try:
             with self.store.tx() as tx:
-                return self._renew(tx, attempt, crypto)
+                answer = self._renew(tx, attempt, crypto)
         except RenewRefused as refusal:
+            self.metrics.renewal("refused", refusal.reason)
             self._record_refusal(attempt, refusal)
             raise
         except StoreConflict as exc:
+            self.metrics.renewal("error")
             raise ControlError("CONFLICT", CONCURRENT) from exc
+        except ControlError as exc:
+            self.metrics.renewal("rate-limited" if exc.code == "RESOURCE_EXHAUSTED" else "error")
+            raise
+        self.metrics.renewal("renewed")
+        return answer
 
     def _renew(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto) -> str:
         request, info = attempt.request, attempt.leaf

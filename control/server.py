@@ -26,9 +26,10 @@ from control.errors import ControlError, StoreUnavailable
 from control.gateway import Gateway, NodeCalls
 from control.http import Handler, Lifecycle, Limits, Response, health_response, serve
 from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService, notice_signer
+from control.metrics import Metrics
 from control.relay import RelayClient, RelayListener
 from control.renewal import RenewService
-from control.store import Store, open_store
+from control.store import Store, open_store, reach
 from control.store.base import migrations
 
 log = logging.getLogger("control.server")
@@ -70,6 +71,7 @@ LIMITS = {
     "gateway": Limits(max_connections=16_000, max_per_source=1_024, idle_timeout=30.0),
     "relay": Limits(max_connections=2_048, max_per_source=256),
     "api": Limits(max_connections=1_024, max_per_source=128),
+    "metrics": Limits(max_connections=64, max_per_source=16),
 }
 
 
@@ -157,6 +159,7 @@ def main(
     gateway_dir: Path | None = None,
     api_upstreams: Sequence[str] = (),
     drain_s: float = DRAIN_S,
+    metrics_listen: str | None = None,
 ) -> int:
     """``better-compute serve``: ``role`` all (one process, the default), api or gateway."""
     _setup_logging()
@@ -165,10 +168,11 @@ def main(
         log.warning("open-file limit %d is below the connection limits' sum", files)
     if role not in ROLES:
         raise ControlError("INVALID_ARGUMENT", f"--role must be one of {', '.join(ROLES)}")
+    metrics = Metrics()
     if role == "gateway":
         if gateway_dir is None:
             raise ControlError("INVALID_ARGUMENT", "--role gateway needs --gateway-dir DIR")
-        parts = _gateway_parts(db_url, gateway_dir, api_upstreams)
+        parts = _gateway_parts(db_url, gateway_dir, api_upstreams, metrics)
     else:
         if secret is None:
             raise ControlError(
@@ -191,10 +195,15 @@ def main(
             attestor_settings=attestor_settings,
             downloads=downloads,
             relay_san=relay_san or gateway_san,
+            metrics=metrics,
         )
     listens = {"api": api_listen, "gateway": gateway_listen}
     if relay_listen is not None:
         listens["relay"] = relay_listen
+    if metrics_listen is not None:
+        _split(metrics_listen)  # a usage error before anything starts
+        listens["metrics"] = metrics_listen
+        parts.handlers["metrics"] = (metrics.handle, None)
     try:
         trio.run(_run, parts, listens, ready_file, drain_s)
     finally:
@@ -215,6 +224,7 @@ class _Parts:
     relay_client: RelayClient | None = None
     listen_url: str | None = None  # PostgreSQL LISTEN for revocations
     readiness: _Readiness | None = None
+    metrics: Metrics = field(default_factory=Metrics)
 
 
 def _api_parts(
@@ -229,6 +239,7 @@ def _api_parts(
     attestor_settings: Mapping[str, str] | None,
     downloads: Path | None,
     relay_san: str,
+    metrics: Metrics,
 ) -> _Parts:
     if downloads is not None and not downloads.is_dir():
         raise ControlError("INVALID_CONFIG", f"--downloads {downloads}: not a directory")
@@ -245,8 +256,11 @@ def _api_parts(
     for failure in plugins.failures:
         log.warning("attestor plugin %s did not load: %s", failure.name, failure.error)
     check_attestor_settings(plugins, settings)
+    reach.probe(db_url)  # one line, exit 1, within the connect timeout: not 30 s of retries
     store = open_store(db_url, max_size=12)
     store.migrate()
+    store.on_tx = metrics.observe_tx
+    metrics.count_pending = functools.partial(_count_pending, store)
     gateway_doc = None
     if gateway_url:
         gateway_doc = {
@@ -259,15 +273,15 @@ def _api_parts(
     # the tenant API has threads (and connections) of its own, so a flood of node calls
     # cannot keep an operator from revoking a node, nor the other way round
     limiter, api_limiter = trio.CapacityLimiter(8), trio.CapacityLimiter(4)
-    calls = NodeCalls(store, JoinService(store, crypto, plugins, settings),
-                      RenewService(store, crypto), limiter)  # fmt: skip
-    parts = _Parts(role, store, limiter)
+    calls = NodeCalls(store, JoinService(store, crypto, plugins, settings, metrics),
+                      RenewService(store, crypto, metrics), limiter, metrics)  # fmt: skip
+    parts = _Parts(role, store, limiter, metrics=metrics)
 
     ready = _Readiness(store, limiter)
     parts.readiness = ready
     on_revocation: Callable[[], None] = lambda: None  # noqa: E731
     if role == "all":
-        gateway = Gateway(store, calls.handle, limiter, ready=ready)
+        gateway = Gateway(store, calls.handle, limiter, ready=ready, metrics=metrics)
         node_ca_pem = loaded.chain_tail_pem()
         ssl_ctx = pki.server_ssl_context(
             chain_pem, gw_key, client_ca_pem=node_ca_pem, client_time_in_app=True
@@ -292,12 +306,15 @@ def _api_parts(
         downloads=downloads.absolute() if downloads is not None else None,
         ready=ready,
         sign_notice=notice_signer(crypto.signing_key),
+        attestors=tuple(plugins.names()),
     )
     parts.handlers["api"] = (app.api, None)
     return parts
 
 
-def _gateway_parts(db_url: str, gateway_dir: Path, api_upstreams: Sequence[str]) -> _Parts:
+def _gateway_parts(
+    db_url: str, gateway_dir: Path, api_upstreams: Sequence[str], metrics: Metrics
+) -> _Parts:
     try:
         bundle = gatewaypki.load_bundle(gateway_dir)
     except pki.PkiSetupError as exc:
@@ -309,19 +326,22 @@ def _gateway_parts(db_url: str, gateway_dir: Path, api_upstreams: Sequence[str])
         store = open_store(db_url, read_only=True, timeout=5.0)
     except ValueError as exc:
         raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
+    store.on_tx = metrics.observe_tx
     limiter = trio.CapacityLimiter(8)
-    relay_client = RelayClient(api_upstreams, relay.client_context(bundle))
+    relay_client = RelayClient(api_upstreams, relay.client_context(bundle), metrics=metrics)
 
     ready = _Readiness(store, limiter, upstream=relay_client)
     _check_schema(store)
-    gateway = Gateway(store, relay_client.forward, limiter, ready=ready)
+    gateway = Gateway(store, relay_client.forward, limiter, ready=ready, metrics=metrics)
     ssl_ctx = pki.server_ssl_context(
         bundle.serving_chain_pem,
         bundle.serving_key,
         client_ca_pem=bundle.node_ca_pem,
         client_time_in_app=True,
     )
-    parts = _Parts("gateway", store, limiter, gateway=gateway, relay_client=relay_client)
+    parts = _Parts(
+        "gateway", store, limiter, gateway=gateway, relay_client=relay_client, metrics=metrics
+    )
     parts.readiness = ready
     parts.handlers["gateway"] = (gateway.handle, ssl_ctx)
     parts.listen_url = db_url
@@ -371,6 +391,18 @@ def _check_schema(store: Store) -> None:
         )
 
 
+async def _count_pending(store: Store) -> int:
+    """``bc_join_requests_pending``: one count in a worker thread of its own."""
+
+    def count() -> int:
+        with store.tx() as tx:
+            row = tx.one("SELECT count(*) AS n FROM join_requests WHERE state = 'pending'")
+        return int(row["n"]) if row else 0
+
+    with trio.fail_after(2):
+        return await trio.to_thread.run_sync(count, abandon_on_cancel=True)
+
+
 async def _health(ready: Callable[[], Awaitable[tuple[bool, str]]], path: str) -> Response:
     if path == "/healthz":
         return health_response(True, "alive")
@@ -410,6 +442,7 @@ async def _serve_until_signal(
                         ssl_context=ctx,
                         life=life,
                         limits=parts.limits[name],
+                        on_limit=parts.metrics.limit_hit,
                     )
                 )
             if parts.role != "gateway":
@@ -448,7 +481,7 @@ def _ready_doc(role: str, listens: Mapping[str, str], bound: Mapping[str, int]) 
     doc: dict[str, Any] = {"role": role}
     for name, port in bound.items():
         host, _ = _split(listens[name])
-        scheme = "http" if name == "api" else "https"
+        scheme = "http" if name in ("api", "metrics") else "https"
         doc[name] = f"{scheme}://{host}:{port}"
         doc[f"{name}_port"] = port
     return doc

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from bcd import wire
+from bcd.attestor_api import canonical_name
 from control.errors import ControlError, invalid, not_found
-from control.ids import new_id, new_secret
+from control.ids import iso, new_id, new_secret
 from control.store import Row, Tx
 
 AGENTS = ("bcd", "none")
@@ -119,6 +121,62 @@ def set_pool_policy(tx: Tx, tenant_id: str, pool_id: str, policy: dict[str, Any]
     tx.execute("UPDATE pools SET policy = ? WHERE id = ?", (json.dumps(policy), pool_id))
     row = tx.one("SELECT * FROM pools WHERE id = ?", (pool_id,))
     assert row is not None
+    return pool_record(row)
+
+
+def unknown_attestors(names: list[str], known: Sequence[str]) -> str | None:
+    """The message naming the attestors of ``names`` that are not ``known`` (and the
+    known ones), or None when every one is known; the API's and the CLI's check."""
+    unknown = [n for n in names if canonical_name(n) not in known]
+    if not unknown:
+        return None
+    return (
+        f"unknown attestor {', '.join(repr(n[:64]) for n in unknown[:5])}; the known attestors are "
+        f"{', '.join(sorted(known))}"
+    )
+
+
+def check_policy_attestors(policy: dict[str, Any], known: Sequence[str]) -> None:
+    """INVALID_ARGUMENT when policy.joinAttestors names an attestor no plugin serves."""
+    names = policy.get("joinAttestors")
+    if names is None:
+        return
+    if not isinstance(names, list) or not all(isinstance(a, str) and a for a in names):
+        raise invalid("policy.joinAttestors must be a list of attestor names")
+    problem = unknown_attestors(names, known)
+    if problem is not None:
+        raise invalid(f"policy.joinAttestors: {problem}")
+
+
+# --- listing and showing ---------------------------------------------------------------
+
+PAGE_DEFAULT = 100
+PAGE_MAX = 1000
+SITE_POOL_PAGE_MAX = 100
+"""The largest page of sites or pools: a pool's policy may be 64 KiB, so a page of
+1,000 would be ~64 MB built and serialized on the event loop."""
+
+
+def tenant_record(row: Row) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "name": row["name"],
+        "root": bool(row["is_root"]),
+        "createdAt": iso(row["created_at"]),
+    }
+
+
+def site_record(row: Row) -> dict[str, Any]:
+    return {
+        "id": row["id"],
+        "tenantId": row["tenant_id"],
+        "name": row["name"],
+        "custom": bool(row["custom"]),
+        "createdAt": iso(row["created_at"]),
+    }
+
+
+def pool_record(row: Row) -> dict[str, Any]:
     return {
         "id": row["id"],
         "tenantId": row["tenant_id"],
@@ -126,4 +184,81 @@ def set_pool_policy(tx: Tx, tenant_id: str, pool_id: str, policy: dict[str, Any]
         "name": row["name"],
         "agent": row["agent"],
         "policy": json.loads(row["policy"]),
+        "createdAt": iso(row["created_at"]),
     }
+
+
+def _page(
+    tx: Tx,
+    sql: str,
+    params: list[Any],
+    shape: Callable[[Row], dict[str, Any]],
+    page_size: int,
+    page_token: str | None,
+    page_max: int = PAGE_MAX,
+) -> dict[str, Any]:
+    """One page in id order; ``nextPageToken`` (the last id shown) when more remain."""
+    if isinstance(page_size, bool) or not 1 <= page_size <= page_max:
+        raise invalid(f"pageSize must be from 1 to {page_max}")
+    if page_token:
+        sql += " AND id > ?"
+        params = [*params, page_token]
+    rows = tx.query(sql + " ORDER BY id LIMIT ?", [*params, page_size + 1])
+    page: dict[str, Any] = {"items": [shape(r) for r in rows[:page_size]]}
+    if len(rows) > page_size:
+        page["nextPageToken"] = rows[page_size - 1]["id"]
+    return page
+
+
+def list_tenants(
+    tx: Tx, caller: str, *, page_size: int = PAGE_DEFAULT, page_token: str | None = None
+) -> dict[str, Any]:
+    """Every tenant for the root tenant; the caller's own for any other."""
+    if is_root(tx, caller):
+        return _page(tx, "SELECT * FROM tenants WHERE 1 = 1", [], tenant_record, page_size,
+                     page_token)  # fmt: skip
+    return _page(tx, "SELECT * FROM tenants WHERE id = ?", [caller], tenant_record, page_size,
+                 page_token)  # fmt: skip
+
+
+def show_tenant(tx: Tx, caller: str, tenant_id: str) -> dict[str, Any]:
+    """The caller's own tenant, or any tenant for the root tenant; else NOT_FOUND."""
+    row = tx.one("SELECT * FROM tenants WHERE id = ?", (tenant_id,))
+    if row is None or (tenant_id != caller and not is_root(tx, caller)):
+        raise not_found("no such tenant")
+    return tenant_record(row)
+
+
+def list_sites(
+    tx: Tx, tenant_id: str, *, page_size: int = PAGE_DEFAULT, page_token: str | None = None
+) -> dict[str, Any]:
+    return _page(tx, "SELECT * FROM sites WHERE tenant_id = ?", [tenant_id], site_record,
+                 page_size, page_token, SITE_POOL_PAGE_MAX)  # fmt: skip
+
+
+def show_site(tx: Tx, tenant_id: str, site_id: str) -> dict[str, Any]:
+    row = tx.one("SELECT * FROM sites WHERE id = ?", (site_id,))
+    if row is None or row["tenant_id"] != tenant_id:
+        raise not_found("no such site")
+    return site_record(row)
+
+
+def list_pools(
+    tx: Tx,
+    tenant_id: str,
+    *,
+    site_id: str | None = None,
+    page_size: int = PAGE_DEFAULT,
+    page_token: str | None = None,
+) -> dict[str, Any]:
+    sql, params = "SELECT * FROM pools WHERE tenant_id = ?", [tenant_id]
+    if site_id is not None:
+        sql, params = sql + " AND site_id = ?", [tenant_id, site_id]
+    return _page(tx, sql, params, pool_record, page_size, page_token, SITE_POOL_PAGE_MAX)
+
+
+def show_pool(tx: Tx, tenant_id: str, pool_id: str) -> dict[str, Any]:
+    owned_pool(tx, tenant_id, pool_id)
+    row = tx.one("SELECT * FROM pools WHERE id = ?", (pool_id,))
+    assert row is not None
+    return pool_record(row)

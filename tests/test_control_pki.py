@@ -162,7 +162,7 @@ def test_load_with_the_wrong_secret(pki_dir: Path) -> None:
     with pytest.raises(cpki.PkiSetupError) as info:
         cpki.load_pki(pki_dir, b"wrong secret")
     message = str(info.value)
-    assert message == f"BETTER_COMPUTE_SECRET does not decrypt the PKI in {pki_dir}"
+    assert message == f"the PKI secret does not decrypt the PKI in {pki_dir}"
     assert info.value.__cause__ is None
     assert info.value.__suppress_context__
     assert "PRIVATE KEY" not in message
@@ -423,7 +423,7 @@ def test_gateway_refusals(pki: cpki.Pki, tmp_path: Path) -> None:
     with pytest.raises(cpki.PkiSetupError, match=r"no gateway certificate for gw\.example\.com"):
         cpki.load_gateway(tmp_path, "gw.example.com", SECRET)
     cpki.issue_gateway(pki, tmp_path, "gw.example.com", SECRET, _now())
-    with pytest.raises(cpki.PkiSetupError, match="BETTER_COMPUTE_SECRET does not decrypt"):
+    with pytest.raises(cpki.PkiSetupError, match="the PKI secret does not decrypt"):
         cpki.load_gateway(tmp_path, "gw.example.com", b"nope")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names == ["gateway-gw.example.com.crt", "gateway-gw.example.com.key"]

@@ -149,7 +149,7 @@ def test_the_cli_renders_to_a_file_and_refuses_bad_input_in_one_line(
     )
     no_secret = run(good, env=cli_env(cp.home, secret=False))
     assert no_secret.returncode == 1
-    assert no_secret.stderr.startswith("better-compute: INVALID_CONFIG: set BETTER_COMPUTE_SECRET")
+    assert no_secret.stderr.startswith("better-compute: INVALID_CONFIG: set the PKI secret")
 
 
 @pytest.fixture

@@ -86,9 +86,9 @@ def test_the_bootstrap_names_the_missing_pin_flags(tmp_path: Path) -> None:
 HEAVY = ("trio", "cryptography", "jwcrypto", "httpx", "pluggy", "tpm2_pytss", "tlslite", "h11")
 
 
-@pytest.mark.parametrize("argv", [["version"], ["--help"]])
+@pytest.mark.parametrize("argv", [["version"], ["--version"], ["--help"]])
 def test_version_and_help_import_no_heavy_module(argv: list[str]) -> None:
-    """What keeps bcd version and bcd --help fast (bench/cli_start.py has the figures)."""
+    """What keeps bcd version, --version and --help fast (bench/cli_start.py has the figures)."""
     script = (
         "import sys\n"
         "from bcd.cli import main\n"

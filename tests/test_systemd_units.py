@@ -160,8 +160,11 @@ def test_control_plane_units_notify_drain_and_keep_the_secret_off_the_gateway() 
         args = d["ExecStart"][0].split()
         drain = float(args[args.index("--drain-seconds") + 1]) if "--drain-seconds" in args else 30
         assert _seconds(d["TimeoutStopSec"][0]) > drain
-    # the API replica holds the PKI: its secret comes from a root-only file, not the unit
-    assert api["EnvironmentFile"] == ["/etc/better-compute/api.env"]
+    # the API replica holds the PKI: its secret is a systemd credential from a root-only
+    # file (serve reads $CREDENTIALS_DIRECTORY/better-compute-secret), never the environment
+    assert api["LoadCredential"] == ["better-compute-secret:/etc/better-compute/secret"]
+    assert all("BETTER_COMPUTE_SECRET" not in v for v in api.get("Environment", []))
+    assert api["EnvironmentFile"] == ["/etc/better-compute/api.env"]  # the database URL
     assert (api["StateDirectory"], api["StateDirectoryMode"]) == (["better-compute"], ["0700"])
     assert api["CapabilityBoundingSet"] == [""]
     # the gateway holds no PKI key: nothing in its unit may carry the secret

@@ -6,7 +6,8 @@ import abc
 import contextlib
 import importlib.resources
 import re
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from control.clock import Clock
@@ -62,13 +63,31 @@ class Store(abc.ABC):
     """Set by ``open_store(..., clock=...)``: every transaction's ``now_ms()`` comes
     from it instead of the database (tests; production keeps the database's time)."""
 
-    @abc.abstractmethod
-    def tx(self) -> contextlib.AbstractContextManager[Tx]:
+    on_tx: Callable[[float], None] | None = None
+    """Told each transaction's duration in seconds, committed or not (metrics)."""
+
+    @contextlib.contextmanager
+    def tx(self) -> Iterator[Tx]:
         """A write transaction: committed on success, rolled back on any exception.
 
         On SQLite it is ``BEGIN IMMEDIATE`` (one writer at a time); on PostgreSQL a
         READ COMMITTED transaction in which ``SELECT … FOR UPDATE`` locks rows.
         """
+        observe = self.on_tx
+        if observe is None:
+            with self._tx() as tx:
+                yield tx
+            return
+        start = time.perf_counter()
+        try:
+            with self._tx() as tx:
+                yield tx
+        finally:
+            observe(time.perf_counter() - start)
+
+    @abc.abstractmethod
+    def _tx(self) -> contextlib.AbstractContextManager[Tx]:
+        """The dialect's transaction (:meth:`tx`)."""
 
     @abc.abstractmethod
     def close(self) -> None: ...

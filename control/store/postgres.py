@@ -115,7 +115,7 @@ class PostgresStore(Store):
         )
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[Tx]:
+    def _tx(self) -> Iterator[Tx]:
         try:
             with self._pool.connection() as conn:
                 tx = _PgTx(conn, self.clock)

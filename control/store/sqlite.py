@@ -128,7 +128,7 @@ class SqliteStore(Store):
         return conn
 
     @contextlib.contextmanager
-    def tx(self) -> Iterator[Tx]:
+    def _tx(self) -> Iterator[Tx]:
         conn = self._conn()
         _guarded(lambda: conn.execute("BEGIN IMMEDIATE"))
         try:
