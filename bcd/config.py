@@ -46,7 +46,6 @@ import json
 import os
 import pwd
 import re
-import stat
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -163,16 +162,9 @@ def _check_writers(path: Path) -> None:
         st = os.stat(path)
     except OSError as exc:
         raise ConfigError(f"{path}: cannot be read: {exc.strerror or exc}") from exc
-    if st.st_uid not in (0, os.geteuid()):
-        raise ConfigError(
-            f"{path} is owned by uid {st.st_uid}, not root or this user; it holds the pins "
-            f"bcd trusts: chown root {path}"
-        )
-    if st.st_mode & 0o022:
-        raise ConfigError(
-            f"{path} can be changed by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-            f"it holds the pins bcd trusts: chmod go-w {path}"
-        )
+    problem = fs.writers_problem(path, st, "it holds the pins bcd trusts")
+    if problem is not None:
+        raise ConfigError(problem)
 
 
 def parse_config(text: str, path: Path, *, check_attestors: bool = False) -> Config:

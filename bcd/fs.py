@@ -195,3 +195,22 @@ def remove_stale_temps(directory: Path, names: tuple[str, ...]) -> list[Path]:
     if removed:
         fsync_dir(directory)
     return removed
+
+
+def writers_problem(path: Path, st: os.stat_result, holds: str, chmod: str = "go-w") -> str | None:
+    """Why a file that decides what is trusted could be changed by others, or None.
+
+    Only root or the running user may own it and nobody else may write it; ``holds``
+    says what the file decides ("it holds the pins bcd trusts") and ``chmod`` the
+    mode change that mends it.
+    """
+    if st.st_uid not in (0, os.geteuid()):
+        return (
+            f"{path} is owned by uid {st.st_uid}, not root or this user; {holds}: chown root {path}"
+        )
+    if st.st_mode & 0o022:
+        return (
+            f"{path} can be changed by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
+            f"{holds}: chmod {chmod} {path}"
+        )
+    return None

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import os
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -44,16 +43,9 @@ def _check_writers(path: Path) -> Callable[[os.stat_result], None]:
     root or the user running bcd may be able to change it."""
 
     def judge(st: os.stat_result) -> None:
-        if st.st_uid not in (0, os.geteuid()):
-            raise ConfigError(
-                f"{path} is owned by uid {st.st_uid}, not root or this user; it is the "
-                f"serving CA bcd trusts: chown root {path}"
-            )
-        if st.st_mode & 0o022:
-            raise ConfigError(
-                f"{path} can be changed by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-                f"it is the serving CA bcd trusts: chmod 0644 {path}"
-            )
+        problem = fs.writers_problem(path, st, "it is the serving CA bcd trusts", "0644")
+        if problem is not None:
+            raise ConfigError(problem)
 
     return judge
 

@@ -82,16 +82,9 @@ def _judge(path: Path, seen: list[int]) -> Any:
 
     def judge(st: os.stat_result) -> None:
         seen.append(stat.S_IMODE(st.st_mode))
-        if st.st_uid not in (0, os.geteuid()):
-            raise ServeConfigError(
-                f"{path} is owned by uid {st.st_uid}, not root or this user; it says which "
-                f"secret, keys and database serve uses: chown root {path}"
-            )
-        if st.st_mode & 0o022:
-            raise ServeConfigError(
-                f"{path} can be changed by other users (mode {stat.S_IMODE(st.st_mode):04o}); "
-                f"it says which secret, keys and database serve uses: chmod go-w {path}"
-            )
+        problem = fs.writers_problem(path, st, "it says which secret, keys and database serve uses")
+        if problem is not None:
+            raise ServeConfigError(problem)
 
     return judge
 
