@@ -29,13 +29,18 @@ def _paged(args: argparse.Namespace, path: str, line: Any, **query: str | None) 
     params = {"pageSize": str(args.page_size), "pageToken": args.page_token, **query}
     qs = urllib.parse.urlencode({k: v for k, v in params.items() if v})
     page = client.call("GET", f"{path.format(tenant=getattr(args, 'tenant', ''))}?{qs}")
+    return _print_page(args, page, line)
+
+
+def _print_page(args: argparse.Namespace, page: Any, line: Any, more: str = "more") -> int:
+    """A page as JSON, or a line a record and the way to the next page."""
     if args.json:
         print(json.dumps(page, indent=2))
         return 0
     for rec in page["items"]:
         print(line(rec))
     if page.get("nextPageToken"):
-        print(f"more: --page-token {page['nextPageToken']}")
+        print(f"{more}: --page-token {page['nextPageToken']}")
     return 0
 
 
@@ -229,14 +234,7 @@ def cmd_tokens_list(args: argparse.Namespace) -> int:
     now = _now()
     for rec in page["items"]:
         rec["state"] = token_state(rec, now)
-    if args.json:
-        print(json.dumps(page, indent=2))
-    else:
-        for rec in page["items"]:
-            print(_token_line(rec))
-        if page.get("nextPageToken"):
-            print(f"more: --page-token {page['nextPageToken']}")
-    return 0
+    return _print_page(args, page, _token_line)
 
 
 def cmd_tokens_revoke(args: argparse.Namespace) -> int:
@@ -300,14 +298,7 @@ def cmd_requests_list(args: argparse.Namespace) -> int:
     page = _client(args).call(
         "GET", f"/v1/tenants/{args.tenant}/pools/{args.pool}/join-requests?{query}"
     )
-    if args.json:
-        print(json.dumps(page, indent=2))
-    else:
-        for rec in page["items"]:
-            print(_request_lines(rec))
-        if page.get("nextPageToken"):
-            print(f"more (older) requests: --page-token {page['nextPageToken']}")
-    return 0
+    return _print_page(args, page, _request_lines, "more (older) requests")
 
 
 def cmd_requests_approve(args: argparse.Namespace) -> int:
