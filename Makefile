@@ -9,9 +9,10 @@ EXAMPLE_ATTESTOR := tests/plugins/example_attestor
 
 # Debian packages the TPM tests and the tpm2-pytss build need (swtpm with its local
 # CA, tpm2-tools, the tpm2-tss headers and swtpm TCTI) and what building a wheel and
-# a venv takes on a fresh machine. Installed only when one is missing.
+# a venv takes on a fresh machine, and what the docs' first run uses (curl, jq,
+# openssl; tests/test_docs_commands.py). Installed only when one is missing.
 DEB_PACKAGES := swtpm swtpm-tools tpm2-tools libtss2-dev libtss2-tcti-swtpm0 pkg-config \
-	gcc python3-dev python3-venv curl
+	gcc python3-dev python3-venv curl jq openssl
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 APT := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
 
@@ -72,8 +73,13 @@ bench: $(STAMP)
 
 # HTTP-level property-based fuzzing of a real serve (fuzz/http_fuzz.py; not part of
 # make test): 100,000 inputs per path family by default, --per-family N for less.
+# Then schemathesis from the API's own OpenAPI description (fuzz/openapi_fuzz.py):
+# 1,000 positive and 200 schema-violating cases per operation, seeded; override with
+# OPENAPI_FUZZ="--max-examples N --negative-examples M --seed S".
+OPENAPI_FUZZ ?= --max-examples 1000 --negative-examples 200 --seed 13
 fuzz: $(STAMP)
 	$(BIN)/python fuzz/http_fuzz.py
+	$(BIN)/python fuzz/openapi_fuzz.py $(OPENAPI_FUZZ)
 
 clean:
 	rm -rf $(VENV) .quickstart .pytest_cache .mypy_cache .ruff_cache

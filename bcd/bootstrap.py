@@ -87,7 +87,11 @@ def bootstrap_config(
             raise UsageError(f"{PIN_FLAGS[name]}: {exc}") from exc
     gateway = doc.get("gateway")
     if not isinstance(gateway, dict) or not isinstance(gateway.get("url"), str):
-        raise JoinError(f"{server} publishes no gateway section; write {config} instead")
+        raise JoinError(
+            f"{server} publishes no gateway section: its better-compute serve runs without "
+            "--gateway-url; give serve --gateway-url https://NAME[:PORT] (the address nodes "
+            f"dial), or write {config} instead"
+        )
     published = {
         "serving_ca_spki_pin": gateway.get("servingCaPin"),
         "join_signing_key_pin": (doc.get("join") or {}).get("signingKeyPin"),

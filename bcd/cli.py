@@ -152,7 +152,28 @@ def _say(line: str) -> None:
 
 
 def _warn(line: str) -> None:
-    print(line, file=sys.stderr)
+    """A warning on stderr (``bcd join``'s retries): ``<4>`` under journald."""
+    import logging
+
+    from bcd.systemd import prioritized, under_journald
+
+    journald = under_journald(sys.stderr)
+    print(prioritized(line, logging.WARNING) if journald else line, file=sys.stderr)
+
+
+def _final(line: str, args: argparse.Namespace | None = None, logger: str = "bcd") -> None:
+    """A last line on stderr (``agent: …``, ``bcd: …``) at error priority: under
+    journald with its ``<3>`` prefix, and with ``--log-format json`` a JSON line of
+    ``logger`` like every other line."""
+    import logging
+
+    if args is not None and getattr(args, "log_format", "text") == "json":
+        logging.getLogger(logger).error("%s", line)
+        return
+    from bcd.systemd import prioritized, under_journald
+
+    journald = under_journald(sys.stderr)
+    print(prioritized(line, logging.ERROR) if journald else line, file=sys.stderr)
 
 
 def cmd_join(args: argparse.Namespace) -> int:
@@ -194,7 +215,7 @@ def cmd_join(args: argparse.Namespace) -> int:
 def cmd_doctor(args: argparse.Namespace) -> int:
     from bcd import doctor
 
-    checks = doctor.all_checks(Path(args.config), _now())
+    checks = doctor.all_checks(Path(args.config), _now(), Path(args.sysfs_root))
     print(doctor.render_json(checks) if args.json else doctor.render_text(checks).rstrip("\n"))
     return doctor.exit_code(checks)
 
@@ -214,28 +235,28 @@ def cmd_node(args: argparse.Namespace) -> int:
         run_node,
     )
 
-    logging.getLogger().setLevel(logging.INFO)
     cfg = load_config(Path(args.config))
     outcome = 0
     try:
         trio.run(run_node, cfg)
     except* CertificateRevoked as group:
         logging.getLogger("bcd.node").error("%s", group.exceptions[0])
-        print(REVOKED_MESSAGE, file=sys.stderr)
+        _final(REVOKED_MESSAGE, args, "bcd.node")
         outcome = EXIT_NEEDS_OPERATOR
     except* (IdentityError, ConfigError) as group:
-        print(f"agent: {group.exceptions[0]}", file=sys.stderr)
+        _final(f"agent: {group.exceptions[0]}", args, "bcd.node")
         outcome = EXIT_NEEDS_OPERATOR
     except* BcdError as group:
-        print(f"agent: {group.exceptions[0]}", file=sys.stderr)
+        _final(f"agent: {group.exceptions[0]}", args, "bcd.node")
         outcome = EXIT_TEMPORARY
     except* Exception as group:
         logging.getLogger("bcd.node").error(
             "agent: a task failed; stopping", exc_info=group.exceptions[0]
         )
-        print(
+        _final(
             f"agent: stopped after an internal error ({type(group.exceptions[0]).__name__})",
-            file=sys.stderr,
+            args,
+            "bcd.node",
         )
         outcome = EXIT_INTERNAL
     return outcome
@@ -244,8 +265,13 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_helper(args: argparse.Namespace) -> int:
     from bcd.config import load_config
     from bcd.helper.server import run_helper
+    from bcd.systemd import LEVELS
 
-    return run_helper(load_config(Path(args.config)), _warn)
+    return run_helper(
+        load_config(Path(args.config)),
+        lambda line: _final(line, args, "bcd.helper"),
+        level=LEVELS[args.log_level],
+    )
 
 
 def cmd_vouch(args: argparse.Namespace) -> int:
@@ -290,6 +316,22 @@ def cmd_version(args: argparse.Namespace) -> int:
     return 0
 
 
+LOG_LEVELS = ("debug", "info", "warning", "error")  # bcd.systemd.LEVELS, not imported here
+LOG_FORMATS = ("text", "json")  # bcd.systemd.FORMATS
+
+
+def _log_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--log-level", choices=LOG_LEVELS, default="info", help="the least severe lines (info)"
+    )
+    p.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="text",
+        help="text (default) or json: one JSON object a line with the event's fields",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     top = _Parser(prog="bcd", description="bcd, the better-compute node agent")
     top.add_argument("--version", action="version", version=version_text())
@@ -319,15 +361,18 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("doctor", help="check the configuration and the identity")
     p.set_defaults(fn=cmd_doctor)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    p.add_argument("--sysfs-root", default="/", help=argparse.SUPPRESS)
     p.add_argument("--json", action="store_true")
 
     p = sub.add_parser("node", help="run the agent: renew the identity, keep the session open")
     p.set_defaults(fn=cmd_node)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    _log_flags(p)
 
     p = sub.add_parser("helper", help="serve the TPM to bcd node over a Unix socket (as root)")
     p.set_defaults(fn=cmd_helper)
     p.add_argument("--config", default=str(DEFAULT_CONFIG))
+    _log_flags(p)
 
     p = sub.add_parser(
         "vouch", help="as a site agent: vouch for a machine that booted on this site"
@@ -356,18 +401,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args = parse_args(argv)
     except UsageError as exc:
-        print(f"bcd: usage: {exc}", file=sys.stderr)
+        _final(f"bcd: usage: {exc}")
         return exc.exit_code
     if args.command != "version":  # which logs nothing, and so starts without logging
         import logging
 
         from bcd import systemd
 
-        systemd.configure_logging(sys.stderr, logging.WARNING)
+        systemd.configure_logging(
+            sys.stderr,
+            systemd.LEVELS.get(getattr(args, "log_level", ""), logging.WARNING),
+            log_format=getattr(args, "log_format", "text"),
+        )
     try:
         code: int = args.fn(args)
     except BcdError as exc:
-        print(f"bcd: {exc}", file=sys.stderr)
+        _final(f"bcd: {exc}", args)
         return exc.exit_code
     except KeyboardInterrupt:
         return 130
@@ -376,12 +425,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         os_error = os_error_in(exc)
         if os_error is not None:  # the system said no: not a bug
-            print(f"bcd: {describe_os_error(os_error)}", file=sys.stderr)
+            _final(f"bcd: {describe_os_error(os_error)}", args)
             return 1
-        print(
+        _final(
             f"bcd: internal error ({type(exc).__name__}); this is a bug in bcd. Run the same "
             "command with BCD_DEBUG=1 for the traceback",
-            file=sys.stderr,
+            args,
         )
         return INTERNAL_ERROR_EXIT
     return code

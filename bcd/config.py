@@ -19,6 +19,9 @@
     mode = "auto"                                  # auto | off | required
     tcti = "device:/dev/tpmrm0"
 
+    [metrics]                                      # optional
+    textfile = "/var/lib/prometheus/node-exporter/bcd.prom"   # node_exporter's textfile
+
     [attestors.serial-allowlist]                   # optional; an attestor plugin's own table,
     serial_field = "board_serial"                  # whose keys and values that plugin checks
 
@@ -72,9 +75,20 @@ TpmMode = Literal["auto", "off", "required"]
 TPM_MODES: tuple[TpmMode, ...] = ("auto", "off", "required")
 PIN_KEYS = ("serving_ca_spki_pin", "join_signing_key_pin", "join_encryption_key_pin")
 REQUIRED_KEYS = ("gateway_url", "site", *PIN_KEYS)
-TOP_LEVEL_KEYS = (*REQUIRED_KEYS, "server_name", "data_dir", "helper", "tpm", "attestors")
+TOP_LEVEL_KEYS = (
+    *REQUIRED_KEYS,
+    "server_name",
+    "data_dir",
+    "helper",
+    "tpm",
+    "metrics",
+    "attestors",
+)
 HELPER_KEYS = ("user", "socket", "hostconfig_dir")
 TPM_KEYS = ("mode", "tcti")
+METRICS_KEYS = ("textfile",)
+MAX_PATH_BYTES = 4095  # PATH_MAX less the NUL
+MAX_NAME_BYTES = 255  # NAME_MAX
 
 _SITE_ID = re.compile(r"^site_[0-9a-z]{26}$")
 _DNS_LABEL = r"[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
@@ -101,6 +115,14 @@ class TpmConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class MetricsConfig:
+    """The ``[metrics]`` table: ``textfile``, a node_exporter textfile bcd node writes
+    (:mod:`bcd.nodemetrics`); absent, bcd node writes no metrics."""
+
+    textfile: Path | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """A validated config.toml. ``path`` is the file it came from (or will go to)."""
 
@@ -114,6 +136,7 @@ class Config:
     data_dir: Path = DEFAULT_DATA_DIR
     helper: HelperConfig | None = None
     tpm: TpmConfig = field(default_factory=TpmConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     attestor_settings: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     """``[attestors.<name>]``: each attestor plugin's own table, checked by that plugin
     (``bcd_node_check_settings``) and lent to it as ``NodeJoinContext.settings``."""
@@ -232,6 +255,13 @@ def config_from_table(doc: dict[str, Any], path: Path, *, check_attestors: bool 
             tcti = _string(table, "tcti", path, "tpm.tcti")
         tpm = TpmConfig(mode=mode, tcti=tcti)
 
+    metrics = MetricsConfig()
+    if "metrics" in doc:
+        table = _table(doc, "metrics", path)
+        _check_keys(table, METRICS_KEYS, path, "metrics.")
+        if "textfile" in table:
+            metrics = MetricsConfig(textfile=_textfile(table, path))
+
     return Config(
         path=path,
         gateway_url=gateway_url,
@@ -243,6 +273,7 @@ def config_from_table(doc: dict[str, Any], path: Path, *, check_attestors: bool 
         data_dir=data_dir,
         helper=helper,
         tpm=tpm,
+        metrics=metrics,
         attestor_settings=_attestor_settings(doc, path, check_attestors),
     )
 
@@ -314,6 +345,29 @@ def _abs_path(table: dict[str, Any], key: str, path: Path, name: str) -> Path:
     if "\0" in value or not value.startswith("/"):
         raise ConfigError(f'{path}: "{name}" must be an absolute path')
     return Path(value)
+
+
+def _textfile(table: dict[str, Any], path: Path) -> Path:
+    """``metrics.textfile``: an absolute path of a ``*.prom`` file (the only names
+    node_exporter's textfile collector reads), without ``.`` or ``..`` parts, control
+    characters or a name longer than the file system allows."""
+    name = "metrics.textfile"
+    value = _abs_path(table, "textfile", path, name)
+    text = str(table["textfile"])
+    if any(not c.isprintable() for c in text):
+        raise ConfigError(f'{path}: "{name}" must not hold control characters')
+    if len(text.encode("utf-8")) > MAX_PATH_BYTES:
+        raise ConfigError(f'{path}: "{name}" is longer than {MAX_PATH_BYTES} bytes')
+    parts = text.split("/")[1:]
+    if any(part in (".", "..") for part in parts) or text.endswith("/"):
+        raise ConfigError(f'{path}: "{name}" must name a file, without . or .. parts')
+    if not value.name.endswith(".prom") or value.name == ".prom":
+        raise ConfigError(
+            f'{path}: "{name}" must end in .prom (node_exporter reads only *.prom files)'
+        )
+    if any(len(part.encode("utf-8")) > MAX_NAME_BYTES for part in parts):
+        raise ConfigError(f'{path}: "{name}" has a part longer than {MAX_NAME_BYTES} bytes')
+    return Path(text)
 
 
 def _valid_host(host: str) -> bool:
@@ -415,6 +469,8 @@ def config_table(cfg: Config) -> dict[str, Any]:
         }
     if cfg.tpm != TpmConfig():
         table["tpm"] = {"mode": cfg.tpm.mode, "tcti": cfg.tpm.tcti}
+    if cfg.metrics.textfile is not None:
+        table["metrics"] = {"textfile": str(cfg.metrics.textfile)}
     if cfg.attestor_settings:
         table["attestors"] = {name: dict(t) for name, t in cfg.attestor_settings.items()}
     return table

@@ -11,6 +11,16 @@ Checks, in order:
     or a file in it is not private (group or other permission bits, or an owner other
     than root, the user running doctor or the ``[helper]`` user), with the chmod or
     chown back; ok: the node, site, role and the certificate's end.
+``revoked``
+    Only for an identity that loads: what ``bcd node`` recorded in the journal
+    (read only, :func:`bcd.journal.recorded`). fail: it stopped on a signed
+    revocation of this certificate (the record names its serial; an older record
+    without one applies when it is not older than the certificate), with the seeds'
+    way back; warn: the journal cannot be read; ok otherwise. A ``session`` warning
+    follows when the gateway last said the control plane does not know this
+    certificate (``unknown-certificate``: a database restored from an older backup)
+    and no session opened with it since. Doctor makes no network call: what it
+    shows is what the agent last heard.
 ``x509pop``
     Only after an expiry of at most 7 days (and not for a certificate naming a TPM
     AK): warn with the other way back, ``bcd join --attestor x509pop`` as root, when
@@ -37,6 +47,15 @@ Checks, in order:
     ("no TPM; node keys are files") with ``mode = auto``; bcd helper not reachable: fail
     with ``required``, warn with ``auto``. Without ``[helper]`` and not root: warn, the
     TPM is not checked.
+``hardware``
+    What ``bcd join`` would claim (read as it reads them, under ``--sysfs-root``):
+    the product UUID, serials, permanent MACs, GPU UUIDs and hostname, and the
+    hardware key derived from them by the control plane's rule
+    (:func:`bcd.hardware.hardware_key`). ok: the key is trusted; warn: it is a
+    placeholder, so a join-token join is refused as placeholder hardware unless its
+    token binds the machine with ``expect`` (a TPM join does not need it), with each
+    value that made it so (:func:`bcd.hardware.placeholder_reasons`). ``--json``
+    carries the claims and the key under ``details``.
 ``plugins``
     Every registered attestor plugin loaded (``bcd doctor`` adds it with
     :func:`plugins_check`). warn: a plugin did not load, naming it; ok: the attestors.
@@ -61,7 +80,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import trio
 
@@ -83,6 +102,10 @@ SERVING_CA_WAY_BACK = (
     "checked against the pin"
 )
 EXPIRED_WAY_BACK = "join again as root: bcd join --reset --yes, then bcd join"
+REVOKED_WAY_BACK = (
+    "the machine comes back only by joining again with fresh evidence (a new token, or "
+    "the TPM): as root, bcd join --reset --yes, then bcd join"
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +113,8 @@ class Check:
     name: str
     status: Status
     message: str
+    details: dict[str, Any] | None = None
+    """Structured facts for ``--json`` (never a secret); the text shows ``message``."""
 
 
 def run_checks(config_path: Path, now: datetime) -> list[Check]:
@@ -103,6 +128,8 @@ def run_checks(config_path: Path, now: datetime) -> list[Check]:
         ]
     identity, state = _identity_and_state(cfg.data_dir, now, _loader(cfg))
     checks = [Check("config", "ok", str(config_path)), identity]
+    if state is not None:
+        checks.extend(journal_checks(cfg.data_dir, state))
     hint = rejoin_hint(state, now)
     if hint is not None:
         checks.append(hint)
@@ -138,6 +165,98 @@ def helper_node_check(cfg: Config, node_id: str) -> Check:
             "restart bcd-helper.service (it reads root's join record at start)",
         )
     return Check("helper", "ok", f"bcd helper serves node {node_id} (root's join record)")
+
+
+def journal_checks(data_dir: Path, state: AnyState) -> list[Check]:
+    """The ``revoked`` check, and the ``session`` warning; see the module's entry."""
+    from bcd.identity import parse_time
+    from bcd.journal import JournalError, recorded
+    from bcd.revocation import UNKNOWN_CAUSE, UNKNOWN_CERTIFICATE, UNKNOWN_TEXT
+
+    serial = state.leaf_info.serial_hex
+    try:
+        events = recorded(data_dir, ("revoked", UNKNOWN_CERTIFICATE, "session-open"))
+    except JournalError as exc:
+        return [Check("revoked", "warn", f"{exc}; cannot tell whether a revocation was recorded")]
+
+    def applies(payload: dict[str, Any], at: str) -> bool:
+        named = payload.get("serial")
+        if isinstance(named, str):
+            return named == serial
+        try:  # recorded before records named the serial: not older than this certificate
+            return parse_time(at) >= state.leaf_info.not_before
+        except ValueError:
+            return False
+
+    for event in events:  # newest first
+        if event.kind == "revoked" and applies(event.payload, event.at):
+            reason = str(event.payload.get("reason", "?"))[:200]
+            return [
+                Check(
+                    "revoked",
+                    "fail",
+                    f"bcd node stopped at {event.at} on a signed revocation of this node's "
+                    f"certificate (serial {serial}, reason {json.dumps(reason)}); "
+                    f"{REVOKED_WAY_BACK}",
+                )
+            ]
+    checks = [Check("revoked", "ok", f"no revocation recorded for certificate {serial}")]
+    last = next(
+        (e for e in events if e.kind != "revoked" and e.payload.get("serial") == serial), None
+    )
+    if last is not None and last.kind == UNKNOWN_CERTIFICATE:
+        checks.append(
+            Check(
+                "session",
+                "warn",
+                f"at {last.at} the gateway said {UNKNOWN_TEXT} (serial {serial}), and no "
+                f"session opened with it since: {UNKNOWN_CAUSE}; bcd node keeps retrying "
+                f"until it expires at {state.identity.not_after}; unless the operator "
+                f"restores a newer backup, {EXPIRED_WAY_BACK}",
+            )
+        )
+    return checks
+
+
+def hardware_check(sysfs_root: Path = Path("/")) -> Check:
+    """What ``bcd join`` would claim and whether its hardware key is trusted."""
+    from bcd.hardware import hardware_key, identifiers, placeholder_reasons, read_claims
+
+    claims = read_claims(sysfs_root)
+    hw = hardware_key(claims)
+    ids = identifiers(claims)
+    details: dict[str, Any] = {
+        "claims": {k: v for k, v in claims.to_json().items() if k != "boot_id"},
+        "identifiers": {kind: sorted(values) for kind, values in ids.items()},
+        "hardwareKey": hw.hex,
+        "trusted": not hw.placeholder,
+        "placeholderReasons": placeholder_reasons(claims),
+    }
+
+    def show(values: list[str] | tuple[str, ...]) -> str:
+        return ", ".join(json.dumps(v) for v in values) if values else "none"
+
+    serials = [claims.product_serial, claims.board_serial, claims.chassis_serial]
+    claimed = (
+        f"join claims: product UUID {show([claims.product_uuid] if claims.product_uuid else [])}; "
+        f"serials {show([v for v in serials if v])}; permanent MACs {show(claims.macs)}; "
+        f"GPU UUIDs {show(claims.gpu_uuids)}; hostname {show([claims.hostname] if claims.hostname else [])}"
+    )
+    if not hw.placeholder:
+        kinds = ", ".join(sorted(hw.kinds))
+        key = f"sha256:{hw.hex[:16]}…" if hw.hex else "none"
+        return Check(
+            "hardware", "ok", f"{claimed}; hardware key {key} is trusted ({kinds})", details
+        )
+    why = "; ".join(details["placeholderReasons"])
+    return Check(
+        "hardware",
+        "warn",
+        f"{claimed}; the hardware key is a placeholder ({why}): a join with a join token is "
+        "refused as placeholder hardware unless the token binds this machine with expect "
+        "(better-compute join-tokens create --expect-…), or join with the TPM",
+        details,
+    )
 
 
 REJOIN_WINDOW = timedelta(days=7)
@@ -347,9 +466,9 @@ def plugins_check(plugins: Plugins) -> Check:
     return Check("plugins", "ok", "attestors: " + (", ".join(names) if names else "none"))
 
 
-def all_checks(config_path: Path, now: datetime) -> list[Check]:
-    """What ``bcd doctor`` shows: :func:`run_checks`, then serving-ca.pem, the TPM and
-    the plugins."""
+def all_checks(config_path: Path, now: datetime, sysfs_root: Path = Path("/")) -> list[Check]:
+    """What ``bcd doctor`` shows: :func:`run_checks`, then serving-ca.pem, the TPM, the
+    hardware claims (under ``sysfs_root``) and the plugins."""
     from bcd.plugins import load_plugins
 
     checks = run_checks(config_path, now)
@@ -361,6 +480,7 @@ def all_checks(config_path: Path, now: datetime) -> list[Check]:
     else:
         checks.append(serving_ca_check(cfg))
         checks.append(tpm_check(cfg))
+    checks.append(hardware_check(sysfs_root))
     checks.append(plugins_check(load_plugins()))
     return checks
 
@@ -380,7 +500,15 @@ def render_text(checks: list[Check]) -> str:
 def render_json(checks: list[Check]) -> str:
     """``{"checks": [{"name", "status", "message"}, …], "ok": bool}``."""
     body = {
-        "checks": [{"name": c.name, "status": c.status, "message": c.message} for c in checks],
+        "checks": [
+            {
+                "name": c.name,
+                "status": c.status,
+                "message": c.message,
+                **({"details": c.details} if c.details is not None else {}),
+            }
+            for c in checks
+        ],
         "ok": exit_code(checks) == 0,
     }
     return json.dumps(body, indent=2) + "\n"

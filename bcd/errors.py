@@ -10,7 +10,8 @@
     │   └── IdentityExpired  the certificate expired before a renewal could be made
     ├── JoinError            the join failed (refused, or the answer did not verify)
     │   └── RetryableError   the control plane asked to retry (UNAVAILABLE, ...)
-    │       └── GatewayUnauthenticated  UNAUTHENTICATED, with the notice it carried
+    │       ├── GatewayUnauthenticated  UNAUTHENTICATED, with the notice it carried
+    │       └── CertificateUnknown  the gateway says the store has no row for this certificate
     ├── CertificateRevoked   a verified RevocationNotice: the node certificate is revoked
     └── TransportError       the gateway could not be reached or did not verify
         └── PeerVerificationError  the gateway's certificate did not verify (never retried)
@@ -89,9 +90,20 @@ class GatewayUnauthenticated(RetryableError):
     RevocationNotice it sent with it (None when it sent none). Only a notice that
     verifies makes it a :class:`CertificateRevoked` (:mod:`bcd.revocation`)."""
 
-    def __init__(self, message: str, notice: object = None) -> None:
+    def __init__(self, message: str, notice: object = None, reason: str | None = None) -> None:
         super().__init__(message)
         self.notice = notice
+        self.reason = reason
+        """The answer's ``reason`` (``unknown-certificate``, ``revoked``, …): a hint only,
+        a relaying gateway can send any."""
+
+
+class CertificateUnknown(RetryableError):
+    """Raised when the gateway answers UNAUTHENTICATED with ``reason``
+    ``unknown-certificate`` and no signed notice: the control plane's store has no row
+    for this certificate (its database was restored from an older backup, most
+    likely). Not a revocation: the agent keeps retrying, more slowly, until the
+    certificate expires (:mod:`bcd.revocation`)."""
 
 
 class CertificateRevoked(BcdError):

@@ -38,6 +38,19 @@ def notice_in(body: bytes) -> object:
     return obj.get("notice")
 
 
+def reason_in(body: bytes) -> str | None:
+    """The ``reason`` of an error answer (``unknown-certificate``, …), if it is a short
+    printable word; a hint only, a relaying gateway may send any."""
+    try:
+        obj = wire.loads_object(body, ERROR_BODY_MAX)
+    except wire.WireError:
+        return None
+    reason = obj.get("reason")
+    if isinstance(reason, str) and 0 < len(reason) <= 64 and reason.isprintable():
+        return reason
+    return None
+
+
 def refusal(
     resp: Response,
     *,
@@ -57,7 +70,7 @@ def refusal(
     if err is None:
         return RetryableError(f"the gateway answered HTTP {resp.status}")
     if unauthenticated is not None and err.code == "UNAUTHENTICATED":
-        return GatewayUnauthenticated(unauthenticated, notice_in(resp.body))
+        return GatewayUnauthenticated(unauthenticated, notice_in(resp.body), reason_in(resp.body))
     if err.code in wire.RETRYABLE:
         wait = wire.parse_pushback(resp.headers.get("retry-pushback-ms"))
         later = ""

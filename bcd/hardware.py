@@ -26,6 +26,7 @@ Normalisation (PROTOCOL.md "Hardware key"); a value that does not survive is dro
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import string
@@ -153,6 +154,14 @@ class HardwareKey:
     has_uuid_or_serial: bool
     kinds: frozenset[str]
 
+    @property
+    def placeholder(self) -> bool:
+        """The placeholder-hardware rule (control.admission.screen refuses a join-token
+        join of such a key unless its token has an ``expect`` binding; ``bcd doctor``
+        shows it): no identifier survived, fewer than two kinds did, or neither a
+        product UUID nor a serial did."""
+        return self.hex is None or not self.trusted or not self.has_uuid_or_serial
+
 
 def hardware_key(claims: wire.Claims) -> HardwareKey:
     """Derive the hardware key from raw claims.
@@ -174,6 +183,46 @@ def hardware_key(claims: wire.Claims) -> HardwareKey:
         has_uuid_or_serial=bool(kinds & {"product_uuid", "serial"}),
         kinds=kinds,
     )
+
+
+KIND_NAMES = {
+    "product_uuid": "product UUID",
+    "serial": "serial",
+    "mac": "permanent MAC",
+    "gpu_uuid": "GPU UUID",
+}
+
+
+def placeholder_reasons(claims: wire.Claims) -> list[str]:
+    """Why :func:`hardware_key` of ``claims`` is a placeholder, in words (empty when it
+    is not): each value that normalisation dropped, then which rule it breaks. Values
+    are shown JSON-quoted (a control character cannot forge a line)."""
+    hw = hardware_key(claims)
+    if not hw.placeholder:
+        return []
+    why: list[str] = []
+    raw = [
+        ("product UUID", claims.product_uuid, normalize_uuid),
+        ("product serial", claims.product_serial, normalize_serial),
+        ("board serial", claims.board_serial, normalize_serial),
+        ("chassis serial", claims.chassis_serial, normalize_serial),
+        *(("MAC", mac, normalize_mac) for mac in claims.macs),
+        *(("GPU UUID", gpu, normalize_gpu_uuid) for gpu in claims.gpu_uuids),
+    ]
+    for label, value, normalize in raw:
+        if not value.strip():
+            if label in ("product UUID", "product serial"):
+                why.append(f"no {label}")
+        elif normalize(value) is None:
+            why.append(f"{label} {json.dumps(value)} is a placeholder or malformed (dropped)")
+    if not claims.macs:
+        why.append("no permanent MAC (a NIC with a device and addr_assign_type 0)")
+    kinds = ", ".join(KIND_NAMES[k] for k in KINDS if k in hw.kinds) or "none"
+    if not hw.trusted:
+        why.append(f"kinds that survived: {kinds}; a trusted key needs two of them")
+    if not hw.has_uuid_or_serial:
+        why.append("neither a product UUID nor a serial survived")
+    return why
 
 
 # --- expect bindings --------------------------------------------------------------

@@ -126,6 +126,15 @@ class Journal:
             rows = conn.execute(query + " ORDER BY id", args).fetchall()
         return [JournalEvent(r[0], r[1], r[2], json.loads(r[3])) for r in rows]
 
+    def last(self, kind: str) -> JournalEvent | None:
+        """The newest event of ``kind``, if any (one row read, however long the journal)."""
+        with self._connection() as conn:
+            row = conn.execute(
+                "SELECT id, at, kind, payload FROM events WHERE kind = ? ORDER BY id DESC LIMIT 1",
+                (kind,),
+            ).fetchone()
+        return None if row is None else JournalEvent(row[0], row[1], row[2], json.loads(row[3]))
+
     def close(self) -> None:
         """Close the connection; further calls raise :class:`JournalError`."""
         with self._lock:
@@ -166,6 +175,47 @@ def open_journal(data_dir: Path, now: datetime) -> Journal:
         reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
         raise JournalError(f"cannot open the journal {path}: {reason}") from exc
     return Journal(path, conn, journal_id)
+
+
+RECORDED_MAX = 1000
+
+
+def recorded(data_dir: Path, kinds: tuple[str, ...]) -> list[JournalEvent]:
+    """The newest events of ``kinds`` (at most :data:`RECORDED_MAX`, newest first),
+    read without changing anything: no journal is no events, and a damaged one is
+    left where it is (``bcd doctor``; the agent moves it aside at its start).
+
+    Raises :class:`JournalError` when the journal cannot be read.
+    """
+    path = data_dir / JOURNAL_FILE
+    if not os.path.lexists(path):
+        return []
+    marks = ", ".join("?" for _ in kinds)
+    try:
+        if not stat.S_ISREG(os.lstat(path).st_mode):
+            raise JournalError(f"the journal {path} is not a regular file")
+        uri = path.resolve().as_uri() + "?mode=ro"
+        conn = sqlite3.connect(uri, uri=True, timeout=BUSY_TIMEOUT_S)
+        try:
+            rows = conn.execute(
+                f"SELECT id, at, kind, payload FROM events WHERE kind IN ({marks}) "
+                "ORDER BY id DESC LIMIT ?",
+                (*kinds, RECORDED_MAX),
+            ).fetchall()
+        finally:
+            conn.close()
+    except (OSError, sqlite3.Error) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise JournalError(f"cannot read the journal {path}: {reason}") from exc
+    events = []
+    for r in rows:
+        try:
+            payload = json.loads(r[3])
+        except (TypeError, ValueError):
+            continue
+        if isinstance(payload, dict) and isinstance(r[1], str):
+            events.append(JournalEvent(r[0], r[1], str(r[2]), payload))
+    return events
 
 
 def _is_corrupt(exc: sqlite3.Error) -> bool:

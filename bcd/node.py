@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import trio
 
@@ -33,6 +33,9 @@ from bcd.identity import NOT_JOINED, AnyState, load_state
 from bcd.journal import Journal, open_journal
 from bcd.renew import FAIL_POINTS, gateway_renew_sender, renewal_task
 from bcd.session import SessionInfo, session_task
+
+if TYPE_CHECKING:
+    from bcd.nodemetrics import TextfileMetrics
 
 log = logging.getLogger("bcd.node")
 
@@ -97,6 +100,7 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
     journal: Journal = await trio.to_thread.run_sync(open_journal, cfg.data_dir, now)
     holder = StateHolder(state)
     info = SessionInfo(journal_id=journal.journal_id, boot_id=boot_id())
+    metrics = await _open_metrics(cfg, journal, state)
     log.info(
         "node %s (site %s, role %s); certificate valid until %s; journal %s",
         state.identity.node_id,
@@ -115,12 +119,69 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
                 f"STATUS=node {state.identity.node_id}; renewed, certificate valid until "
                 f"{payload.get('notAfter')}"
             )
+            if metrics is not None:
+                metrics.renewed_at(datetime.fromtimestamp(wall(), UTC))
+                await _publish(metrics, holder)
         return await trio.to_thread.run_sync(journal.append, kind, payload)
 
+    hooks = _Hooks() if metrics is None else _metrics_hooks(metrics, holder)
     try:
-        await _supervise(cfg, holder, info, wall, record, tpm, ready=("READY=1", status))
+        await _supervise(
+            cfg, holder, info, wall, record, tpm, ready=("READY=1", status), hooks=hooks
+        )
     finally:
+        if metrics is not None:  # stopped: no session, whatever the file said
+            metrics.session(False)
+            with trio.CancelScope(shield=True):
+                await _publish(metrics, holder)
         await trio.to_thread.run_sync(journal.close)
+
+
+@dataclass(frozen=True, slots=True)
+class _Hooks:
+    """What the tasks tell the metrics textfile (nothing without ``[metrics]``)."""
+
+    on_session: Callable[[bool], Awaitable[None]] | None = None
+    on_renewal_failure: Callable[[], Awaitable[None]] | None = None
+
+
+async def _open_metrics(cfg: Config, journal: Journal, state: AnyState) -> TextfileMetrics | None:
+    """``[metrics] textfile``: the figures at start, written once (prometheus_client is
+    imported only here, and only when configured)."""
+    if cfg.metrics.textfile is None:
+        return None
+    from bcd.identity import parse_time
+    from bcd.journal import JournalError
+    from bcd.nodemetrics import TextfileMetrics
+
+    metrics = TextfileMetrics(cfg.metrics.textfile)
+    metrics.certificate(state)
+    metrics.session(False)
+    try:
+        last = await trio.to_thread.run_sync(journal.last, "renewed")
+        if last is not None:
+            metrics.renewed_at(parse_time(last.at))
+    except (JournalError, ValueError) as exc:  # the figure stays absent
+        log.warning("the last renewal could not be read from the journal: %s", exc)
+    await trio.to_thread.run_sync(metrics.write)
+    return metrics
+
+
+async def _publish(metrics: TextfileMetrics, holder: StateHolder) -> None:
+    metrics.certificate(holder.get())
+    await trio.to_thread.run_sync(metrics.write)
+
+
+def _metrics_hooks(metrics: TextfileMetrics, holder: StateHolder) -> _Hooks:
+    async def on_session(up: bool) -> None:
+        if metrics.session(up):
+            await _publish(metrics, holder)
+
+    async def on_renewal_failure() -> None:
+        metrics.renewal_failed()
+        await _publish(metrics, holder)
+
+    return _Hooks(on_session=on_session, on_renewal_failure=on_renewal_failure)
 
 
 async def _supervise(
@@ -131,14 +192,20 @@ async def _supervise(
     record: Callable[[str, dict[str, Any]], Awaitable[object]],
     tpm: HelperKeys | None = None,
     ready: tuple[str, ...] = (),
+    hooks: _Hooks | None = None,
 ) -> None:
+    hooks = hooks or _Hooks()
     try:
         async with trio.open_nursery() as nursery:
             await nursery.start(_signals, nursery.cancel_scope)
             # Type=notify: ready once the identity loaded, the journal is open and a
             # SIGTERM stops bcd node cleanly.
             systemd.notify(*ready)
-            nursery.start_soon(lambda: session_task(cfg, holder.get, info, tpm=tpm))
+            nursery.start_soon(
+                lambda: session_task(
+                    cfg, holder.get, info, tpm=tpm, on_session=hooks.on_session, record=record
+                )
+            )
             nursery.start_soon(
                 lambda: renewal_task(
                     holder.get,
@@ -151,10 +218,13 @@ async def _supervise(
                     fail_point=failpoints.from_environment(FAIL_POINTS),
                     tpm=tpm,
                     tpm_mode=cfg.tpm.mode,
+                    on_failure=hooks.on_renewal_failure,
                 )
             )
     except* CertificateRevoked as group:
-        await record("revoked", {"reason": str(group.exceptions[0])[:200]})
+        # the serial tells bcd doctor which certificate the revocation was of
+        revoked = {"reason": str(group.exceptions[0])[:200]}
+        await record("revoked", {**revoked, "serial": holder.get().leaf_info.serial_hex})
         raise
 
 

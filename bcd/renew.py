@@ -427,6 +427,7 @@ async def renewal_task(
     fail_point: FailPoint | None = None,
     tpm: HelperKeys | None = None,
     tpm_mode: TpmMode = "off",
+    on_failure: Callable[[], Awaitable[None]] | None = None,
 ) -> NoReturn:
     """Keep the identity fresh forever; only :class:`~bcd.errors.CertificateRevoked` ends it.
 
@@ -444,7 +445,8 @@ async def renewal_task(
     passed to :func:`renew_once`. The kind of key can change at a renewal (a file key
     moving into the TPM): ``set_state`` then gets a
     :class:`~bcd.identity.LoadedTpmState`, and the next sender and session are built
-    from it.
+    from it. ``on_failure`` (the metrics textfile) is awaited after each failed
+    attempt, once the state is settled.
     """
     keys = old_keys if old_keys is not None else OldKeys()
     attempt = 0
@@ -477,19 +479,24 @@ async def renewal_task(
         except GatewayUnauthenticated as exc:
             # revoked only on a notice signed where it was revoked; expired: stop
             verdict = judge_unauthenticated(
-                exc.notice, signing_pin, state, datetime.fromtimestamp(wall(), UTC)
+                exc.notice, signing_pin, state, datetime.fromtimestamp(wall(), UTC), exc.reason
             )
             if isinstance(verdict, CertificateRevoked | IdentityExpired):
                 raise verdict from exc
             wait = _failed(state, verdict, attempt, wall, log)
+            if on_failure is not None:
+                await on_failure()
             log.info("renewal: next attempt in %.1f s", wait, extra={"waitSeconds": wait})
             await _pause(wait, keys, log)
             continue
         except BcdError as exc:
             wait = _failed(state, exc, attempt, wall, log)
-            if isinstance(exc, IdentityError) and await _adopt_disk_state(
+            adopted = isinstance(exc, IdentityError) and await _adopt_disk_state(
                 state, set_state, log, tpm
-            ):
+            )
+            if on_failure is not None:
+                await on_failure()
+            if adopted:
                 keys.retire(node_key_of(state, tpm=tpm), trio.current_time())
                 attempt = 0
                 continue

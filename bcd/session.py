@@ -11,30 +11,39 @@ at 5 minutes, :func:`bcd.wire.parse_pushback`). An error answer is read only up
 to 64 KiB, and lines that are not JSON objects are skipped (logged once per
 session). A RevocationNotice is logged as ``certificate revoked`` with its reason
 and raised as :class:`~bcd.errors.CertificateRevoked`, which stops the agent: it
-never redials with that certificate. An UNAUTHENTICATED answer at session open
-means the gateway no longer accepts the certificate, and stops the agent the same
-way.
+never redials with that certificate. An UNAUTHENTICATED answer at session open is
+judged by :func:`bcd.revocation.judge_unauthenticated`: it stops the agent only with
+a signed notice (revoked) or once the certificate expired; ``unknown-certificate``
+(a control-plane database restored from an older backup) is logged as an error with
+its own message and redialled every 5 minutes (:data:`UNKNOWN_RETRY_S`), and the
+journal records it (``bcd doctor`` shows it).
 """
 
 from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import trio
 
 from bcd import __version__, wire
 from bcd.config import Config
-from bcd.errors import CertificateRevoked, IdentityExpired, TransportError
-from bcd.gatewayanswer import ERROR_BODY_MAX, notice_in
+from bcd.errors import (
+    BcdError,
+    CertificateRevoked,
+    CertificateUnknown,
+    IdentityExpired,
+    TransportError,
+)
+from bcd.gatewayanswer import ERROR_BODY_MAX, notice_in, reason_in
 from bcd.helper import HelperError
 from bcd.helper.nodekeys import HelperKeys
 from bcd.identity import AnyState
-from bcd.revocation import judge_unauthenticated, revoked_by
+from bcd.revocation import UNKNOWN_CERTIFICATE, judge_unauthenticated, revoked_by
 
 if TYPE_CHECKING:
     from bcd.gatewayanswer import Response
@@ -42,9 +51,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bcd.session")
 
+SessionWatcher = Callable[[bool], Awaitable[None]]
+"""Told ``True`` when a session opens (a welcome) and ``False`` when it is lost."""
+
 BACKOFF_FIRST_S = 1.0
 BACKOFF_MAX_S = 60.0
 IDLE_TIMEOUT_S = 50.0  # three pings missed and a bit
+# The redial wait after the gateway said the store does not know this certificate (a
+# restored backup): an operator's fix (a newer backup) is found within this, and a
+# node that cannot come back does not knock every minute until its certificate ends.
+UNKNOWN_RETRY_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,7 +85,11 @@ async def post_as_node(
 
 
 async def _one_session(
-    cfg: Config, state: AnyState, info: SessionInfo, tpm: HelperKeys | None = None
+    cfg: Config,
+    state: AnyState,
+    info: SessionInfo,
+    tpm: HelperKeys | None = None,
+    on_session: SessionWatcher | None = None,
 ) -> bool:
     """Run one session until it breaks; return whether a welcome arrived."""
     from bcd.transport import gateway_client
@@ -99,6 +119,8 @@ async def _one_session(
             if isinstance(msg, wire.Welcome):
                 welcomed = True
                 log.info("session open (%s)", msg.session_id or "?")
+                if on_session is not None:
+                    await on_session(True)
             elif isinstance(msg, wire.RevocationLine):
                 # only a notice signed where the revocation was made stops the node
                 revoked = revoked_by(msg.notice, cfg.join_signing_key_pin, state)
@@ -112,11 +134,15 @@ async def _one_session(
 
 
 class SessionRefused(TransportError):
-    """The gateway answered the session with an error; ``pushback_s`` its capped wait."""
+    """The gateway answered the session with an error; ``pushback_s`` its capped wait;
+    ``unknown`` when it said the store has no row for this certificate."""
 
-    def __init__(self, message: str, pushback_s: float | None = None) -> None:
+    def __init__(
+        self, message: str, pushback_s: float | None = None, *, unknown: bool = False
+    ) -> None:
         super().__init__(message)
         self.pushback_s = pushback_s
+        self.unknown = unknown
 
 
 async def _refused(lines: Lines, cfg: Config, state: AnyState) -> NoReturn:
@@ -129,10 +155,12 @@ async def _refused(lines: Lines, cfg: Config, state: AnyState) -> NoReturn:
     err = wire.parse_error(body)
     if status == 401 or (err is not None and err.code == "UNAUTHENTICATED"):
         verdict = judge_unauthenticated(
-            notice_in(body), cfg.join_signing_key_pin, state, datetime.now(UTC)
+            notice_in(body), cfg.join_signing_key_pin, state, datetime.now(UTC), reason_in(body)
         )
         if isinstance(verdict, CertificateRevoked | IdentityExpired):
             raise verdict
+        if isinstance(verdict, CertificateUnknown):
+            raise SessionRefused(str(verdict), UNKNOWN_RETRY_S, unknown=True)
         raise SessionRefused(str(verdict))
     if err is not None and err.code in wire.RETRYABLE:
         raise SessionRefused(
@@ -149,23 +177,68 @@ async def session_task(
     *,
     rng: random.Random | None = None,
     tpm: HelperKeys | None = None,
+    on_session: SessionWatcher | None = None,
+    record: Recorder | None = None,
 ) -> None:
-    """Keep a session open until the certificate is revoked (raises CertificateRevoked)."""
+    """Keep a session open until the certificate is revoked (raises CertificateRevoked).
+
+    ``on_session`` (the metrics textfile) is awaited with ``True`` at each welcome and
+    with ``False`` each time a session is lost or a dial fails. ``record`` (the
+    journal) gets ``unknown-certificate`` when the gateway says the store does not
+    know the certificate and ``session-open`` at a welcome, each once per
+    certificate until the other happens, so ``bcd doctor`` can tell which was last."""
     rng = rng or random.Random()  # noqa: S311 - jitter, not a secret
     delay = BACKOFF_FIRST_S
+    journal = _Noted(record)
     while True:
+        state = get_state()
+
+        async def watch(up: bool, state: AnyState = state) -> None:
+            if on_session is not None:
+                await on_session(up)
+            if up:
+                await journal.note("session-open", state)
+
+        level = logging.WARNING
         try:
-            if await _one_session(cfg, get_state(), info, tpm):
+            if await _one_session(cfg, state, info, tpm, watch):
                 delay = BACKOFF_FIRST_S
             reason = "the gateway closed the session"
         except (TransportError, HelperError) as exc:
             reason = str(exc)
             pushback = exc.pushback_s if isinstance(exc, SessionRefused) else None
+            if isinstance(exc, SessionRefused) and exc.unknown:
+                level = logging.ERROR
+                await journal.note(UNKNOWN_CERTIFICATE, state)
         else:
             pushback = None
+        if on_session is not None:
+            await on_session(False)
         wait = delay * (0.5 + rng.random() / 2)
         if pushback is not None:  # never sooner than the gateway asked (capped at 5 min)
             wait = max(wait, pushback)
-        log.warning("session lost (%s); reconnecting in %.1f s", reason, wait)
+        log.log(level, "session lost (%s); reconnecting in %.1f s", reason, wait)
         await trio.sleep(wait)
         delay = min(delay * 2, BACKOFF_MAX_S)
+
+
+Recorder = Callable[[str, dict[str, Any]], Awaitable[object]]
+
+
+class _Noted:
+    """Journal ``session-open`` / ``unknown-certificate`` once per certificate until
+    the other one happens (a redial every 5 minutes does not grow the journal)."""
+
+    def __init__(self, record: Recorder | None) -> None:
+        self.record = record
+        self.last: dict[str, str] = {}  # serial -> the kind last recorded
+
+    async def note(self, kind: str, state: AnyState) -> None:
+        serial = state.leaf_info.serial_hex
+        if self.record is None or self.last.get(serial) == kind:
+            return
+        self.last[serial] = kind
+        try:
+            await self.record(kind, {"serial": serial})
+        except BcdError as exc:  # the journal is a record, not a reason to stop
+            log.warning("cannot record %s in the journal: %s", kind, exc)

@@ -90,5 +90,5 @@ async def vouch(
         )
     except GatewayUnauthenticated as exc:  # revoked only on a signed notice
         raise judge_unauthenticated(
-            exc.notice, cfg.join_signing_key_pin, state, datetime.now(UTC)
+            exc.notice, cfg.join_signing_key_pin, state, datetime.now(UTC), exc.reason
         ) from exc

@@ -463,6 +463,7 @@ def _sealed_token(plaintext: bytes) -> JoinToken:
 STATUS = {
     "INVALID_ARGUMENT": 400,
     "INVALID_STATE": 400,
+    "FAILED_PRECONDITION": 400,
     "UNAUTHENTICATED": 401,
     "ACCESS_DENIED": 403,
     "NOT_FOUND": 404,

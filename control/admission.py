@@ -239,7 +239,7 @@ def screen(subject: JoinSubject, admit: Admit) -> Refusal | hardware.HardwareKey
         return Refusal("csr-invalid", tenant)
     if admit.expect and not hardware.expect_matches(dict(admit.expect), subject.claims):
         return Refusal("expect-mismatch", tenant)
-    placeholder = hw.hex is None or not hw.trusted or not hw.has_uuid_or_serial
+    placeholder = hw.placeholder  # the node's rule too (bcd doctor shows it)
     if subject.attestor == JOIN_TOKEN and placeholder and not admit.expect:
         return Refusal("placeholder-hardware", tenant)
     if subject.attestor == JOIN_TOKEN and placeholder and hw.trusted:

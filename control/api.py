@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 import trio
 
 from bcd import __version__, wire
-from control import downloads, events, joinrequests, nodes, tenancy, tokens
+from control import downloads, events, joinrequests, nodes, openapi, tenancy, tokens
 from control.errors import ControlError, invalid
 from control.http import Request, Response, error_response, health_response, json_response
 from control.joinservice import NoticeSigner
@@ -78,6 +78,8 @@ class App:
         path = path[len(BASE_PATH) :]
         if path == "/.well-known/better-compute" and req.method == "GET":
             return json_response(200, self.well_known())
+        if path == openapi.PATH and req.method == "GET":  # public: describes a public API
+            return Response(200, openapi.document_bytes(), [("content-type", "application/json")])
         if path.startswith(downloads.PREFIX):
             return await downloads.serve_download(self.downloads, req.method, path)
         if req.method == "GET" and (
@@ -333,9 +335,21 @@ class App:
         return json_response(200, await self.run(lambda tx: nodes.show_node(tx, tenant, node_id)))
 
     async def _r_nodes_list(self, tenant: str, body: dict[str, Any], q: dict[str, str]) -> Response:
+        size, token = _paging(q, "node")
+        pool = q.get("poolId") or None
+        if pool is not None and not re.fullmatch(r"pool_[0-9a-z]{26}", pool):
+            raise invalid("poolId must be a pool id (pool_…)")
         return json_response(
-            200, {"items": await self.run(lambda tx: nodes.list_nodes(tx, tenant))}
+            200,
+            await self.run(
+                lambda tx: nodes.list_nodes(tx, tenant, pool, page_size=size, page_token=token)
+            ),
         )
+
+    async def _r_nodes_adopt(
+        self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
+    ) -> Response:
+        return json_response(200, await self.run(lambda tx: nodes.adopt_node(tx, tenant, node_id)))
 
     async def _r_nodes_revoke_identity(
         self, tenant: str, body: dict[str, Any], q: dict[str, str], node_id: str
@@ -384,6 +398,7 @@ _ROUTES: list[tuple[str, re.Pattern[str], str]] = [
     ("GET", re.compile(r"/nodes"), "nodes_list"),
     ("GET", re.compile(r"/nodes/(node_[0-9a-z]{26})"), "nodes_show"),
     ("POST", re.compile(r"/nodes/(node_[0-9a-z]{26})/revoke-identity"), "nodes_revoke_identity"),
+    ("POST", re.compile(r"/nodes/(node_[0-9a-z]{26})/adopt"), "nodes_adopt"),
     ("DELETE", re.compile(r"/nodes/(node_[0-9a-z]{26})"), "nodes_delete"),
     ("POST", re.compile(r"/pools/(pool_[0-9a-z]{26})/policy"), "pools_policy"),
 ]

@@ -17,7 +17,9 @@ from typing import Any
 
 from bcd import __version__
 from bcd.errors import describe_os_error, os_error_in
+from bcd.systemd import FORMATS, LEVELS, prioritized, under_journald
 from control.cli_admin import (
+    cmd_backup,
     cmd_migrate,
     cmd_pki_init,
     cmd_pki_issue_gateway,
@@ -29,6 +31,7 @@ from control.cli_admin import (
 from control.cli_client import (
     _request_ttl,
     cmd_events_list,
+    cmd_nodes_adopt,
     cmd_nodes_delete,
     cmd_nodes_list,
     cmd_nodes_revoke_identity,
@@ -225,6 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="serve Prometheus metrics at http://HOST:PORT/metrics (plain HTTP; default off)",
     )
     p.add_argument(
+        "--log-level",
+        choices=list(LEVELS),
+        default="info",
+        help="the least severe log lines written (default info; debug is verbose)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=list(FORMATS),
+        default="text",
+        help="text (default), or json: one JSON object a line with the event's fields",
+    )
+    p.add_argument(
         "--gateway-san", default="127.0.0.1", help="which issued gateway certificate to serve"
     )
     p.add_argument(
@@ -273,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="a setting for an attestor plugin's server half (repeatable)",
     )
     verb(sub, "migrate", cmd_migrate, db=True)
+    p = verb(sub, "backup", cmd_backup, db=True)
+    p.add_argument(
+        "--out", required=True, help="new 0600 file for an online copy of the SQLite store"
+    )
 
     tenants = sub.add_parser("tenants").add_subparsers(
         dest="verb", required=True, parser_class=_Parser
@@ -393,6 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
     nd = sub.add_parser("nodes").add_subparsers(dest="verb", required=True, parser_class=_Parser)
     p = verb(nd, "list", cmd_nodes_list, client=True)
     p.add_argument("--tenant", help=TENANT_HELP)
+    p.add_argument("--pool", help="only this pool's nodes (pool_…)")
+    paging(p)
+    p = verb(nd, "adopt", cmd_nodes_adopt, client=True)
+    p.add_argument("node_id")
+    p.add_argument("--tenant", help=TENANT_HELP)
     p = verb(nd, "show", cmd_nodes_show, client=True)
     p.add_argument("node_id")
     p.add_argument("--tenant", help=TENANT_HELP)
@@ -404,6 +428,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("node_id")
     p.add_argument("--tenant", help=TENANT_HELP)
     return top
+
+
+def _error_line(args: argparse.Namespace, line: str) -> None:
+    """The last line on stderr: under journald with its ``<3>`` priority; from a
+    ``serve --log-format json`` whose logging is set up, a JSON line of ``control``."""
+    if (
+        getattr(args, "fn", None) is cmd_serve
+        and getattr(args, "log_format", "text") == "json"
+        and logging.getLogger().handlers
+    ):
+        logging.getLogger("control").error("%s", line)
+        return
+    print(prioritized(line, logging.ERROR) if under_journald(sys.stderr) else line, file=sys.stderr)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -422,7 +459,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         code: int = args.fn(args)
     except ControlError as exc:
-        print(f"better-compute: {exc.code}: {exc.message}", file=sys.stderr)
+        _error_line(args, f"better-compute: {exc.code}: {exc.message}")
         return 1
     except KeyboardInterrupt:
         return 130
@@ -431,15 +468,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         os_error = os_error_in(exc)
         if os_error is not None:  # the system said no (a port in use, a permission): not a bug
-            print(f"better-compute: {describe_os_error(os_error)}", file=sys.stderr)
+            _error_line(args, f"better-compute: {describe_os_error(os_error)}")
             return 1
         if getattr(args, "fn", None) is cmd_serve:
             # a daemon's log is its operator's: keep the traceback there for the post-mortem
             logging.getLogger("control").error("serve stopped on a bug", exc_info=exc)
-        print(
+        _error_line(
+            args,
             f"better-compute: internal error ({type(exc).__name__}); this is a bug. Run the "
             "same command with BETTER_COMPUTE_DEBUG=1 for the traceback",
-            file=sys.stderr,
         )
         return 70
     return code

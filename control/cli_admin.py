@@ -1,5 +1,5 @@
 """``better-compute`` commands run on the control plane's host: the PKI, ``serve``,
-``migrate`` and the first tenant."""
+``migrate``, ``backup`` and the first tenant."""
 
 from __future__ import annotations
 
@@ -165,6 +165,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         api_upstreams=args.api_upstream or (),
         drain_s=args.drain_seconds,
         metrics_listen=args.metrics_listen,
+        log_level=args.log_level,
+        log_format=args.log_format,
     )
 
 
@@ -204,6 +206,88 @@ def cmd_migrate(args: argparse.Namespace) -> int:
         store.close()
     _emit(args, {"applied": applied}, f"applied migrations: {applied or 'none'}")
     return 0
+
+
+def cmd_backup(args: argparse.Namespace) -> int:
+    """An online copy of a SQLite store with SQLite's backup API (``serve`` may run):
+    a consistent snapshot written to a new 0600 file, checked, then linked into place
+    (never over an existing file). PostgreSQL is backed up with ``pg_dump``."""
+    from control.cli_common import usage_error
+
+    url = _db_url(args)
+    if not url.startswith("sqlite:///"):
+        usage_error(
+            "backup copies a SQLite store; back up PostgreSQL with pg_dump "
+            "(docs/operators.md, Backup and restore)"
+        )
+    source = Path(url[len("sqlite:///") :])
+    out = Path(args.out)
+    if out.exists() or out.is_symlink():
+        raise ControlError("ALREADY_EXISTS", f"{out} exists; --out never writes over a file")
+    if not source.is_file():
+        raise ControlError("NOT_FOUND", f"no database at {source} (name it with --db)")
+    size = sqlite_backup(source, out)
+    _emit(
+        args,
+        {"database": str(source), "out": str(out), "bytes": size},
+        f"backed up {source} to {out} ({size} bytes, mode 0600)",
+    )
+    return 0
+
+
+def sqlite_backup(source: Path, out: Path) -> int:
+    """Copy the SQLite database ``source`` to the new file ``out`` (0600); its size.
+
+    The copy is made under a temporary name beside ``out`` with
+    :meth:`sqlite3.Connection.backup` (pages copied in one read transaction, so a
+    running ``serve`` keeps writing), switched to a rollback journal so it is one
+    self-contained file, checked with ``PRAGMA quick_check``, fsynced and linked to
+    ``out`` (which fails if the name was taken meanwhile). The temporary file lives in
+    a private (0700) directory made beside ``out``, so no other writer of ``out``'s
+    directory can swap a symlink in while SQLite and chmod open it by name."""
+    import contextlib
+    import shutil
+    import sqlite3
+    import tempfile
+
+    private = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
+    tmp = private / "copy.db"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        os.close(fd)
+        try:
+            src = sqlite3.connect(source.resolve().as_uri() + "?mode=ro", uri=True, timeout=30)
+            try:
+                dst = sqlite3.connect(tmp)
+                try:
+                    src.backup(dst)
+                    dst.execute("PRAGMA journal_mode=DELETE").fetchone()
+                    check = dst.execute("PRAGMA quick_check").fetchall()
+                finally:
+                    dst.close()
+            finally:
+                src.close()
+        except sqlite3.Error as exc:
+            raise ControlError("UNAVAILABLE", f"cannot back up {source}: {exc}") from None
+        if [tuple(r) for r in check] != [("ok",)]:
+            raise ControlError("INVALID_STATE", f"the copy of {source} does not check ok")
+        fd = os.open(tmp, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
+            os.fchmod(fd, 0o600)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(tmp, out)
+        except FileExistsError:
+            raise ControlError(
+                "ALREADY_EXISTS", f"{out} exists; --out never writes over a file"
+            ) from None
+        fs.fsync_dir(out.parent)
+    finally:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(private)
+    return out.stat().st_size
 
 
 def cmd_tenants_create(args: argparse.Namespace) -> int:

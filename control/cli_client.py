@@ -334,12 +334,29 @@ def cmd_events_list(args: argparse.Namespace) -> int:
     return 0
 
 
+def _fact(value: Any) -> str:
+    """A node's own text (its hostname, its daemon version) as a table cell: JSON-quoted
+    (ASCII) unless it is printable ASCII without spaces, so a machine cannot send
+    escape sequences to the operator's terminal or forge a row."""
+    if not value:
+        return "-"
+    text = str(value)
+    if all("!" <= c <= "~" for c in text):
+        return text
+    return json.dumps(text, ensure_ascii=True)
+
+
 def cmd_nodes_show(args: argparse.Namespace) -> int:
     node = _client(args).call("GET", f"/v1/tenants/{args.tenant}/nodes/{args.node_id}")
     if args.json:
         print(json.dumps(node, indent=2))
     else:
         print(f"{node['id']}  {node['role']}  {node['state']}  gen {node['identityGeneration']}")
+        print(f"  hostname:          {_fact(node.get('hostname'))}")
+        print(f"  daemon version:    {_fact(node.get('daemonVersion'))}")
+        print(f"  last seen:         {node.get('lastSeenAt') or 'never'}")
+        print(f"  certificate until: {_fact(node.get('certificateNotAfter'))}")
+        print(f"  pool:              {node['poolId']}")
         for c in node["certificates"]:
             state = f"revoked ({c['revokeReason']})" if c["revoked"] else "live"
             print(
@@ -376,13 +393,39 @@ def cmd_nodes_delete(args: argparse.Namespace) -> int:
     return 0
 
 
+NODE_COLUMNS = ("ID", "STATE", "HOSTNAME", "VERSION", "LAST SEEN", "CERT UNTIL", "GEN")
+
+
+def _node_cells(n: dict[str, Any]) -> tuple[str, ...]:
+    return (
+        n["id"],
+        n["state"],
+        _fact(n.get("hostname")),
+        _fact(n.get("daemonVersion")),
+        n.get("lastSeenAt") or "never",
+        _fact(n.get("certificateNotAfter")),
+        str(n["identityGeneration"]),
+    )
+
+
 def cmd_nodes_list(args: argparse.Namespace) -> int:
-    page = _client(args).call("GET", f"/v1/tenants/{args.tenant}/nodes")
+    params = {"pageSize": str(args.page_size), "pageToken": args.page_token, "poolId": args.pool}
+    qs = urllib.parse.urlencode({k: v for k, v in params.items() if v})
+    page = _client(args).call("GET", f"/v1/tenants/{args.tenant}/nodes?{qs}")
     if args.json:
         print(json.dumps(page, indent=2))
-    else:
-        for n in page["items"]:
-            print(
-                f"{n['id']}  {n['role']}  {n['state']}  pool {n['poolId']}  gen {n['identityGeneration']}"
-            )
+        return 0
+    rows = [NODE_COLUMNS, *(_node_cells(n) for n in page["items"])]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(NODE_COLUMNS))]
+    for r in rows:
+        print("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip())
+    if page.get("nextPageToken"):
+        print(f"more: --page-token {page['nextPageToken']}")
+    return 0
+
+
+def cmd_nodes_adopt(args: argparse.Namespace) -> int:
+    rec = _client(args).call("POST", _node_path(args) + "/adopt", {})
+    text = f"adopted {rec['nodeId']}" if rec["changed"] else f"{rec['nodeId']} was adopted already"
+    _emit(args, rec, text)
     return 0

@@ -3,18 +3,79 @@
 Refusal events are rate-limited in the store, so every replica shares one budget:
 at most 60 per attestor and reason per minute; the next one that passes carries
 ``suppressed``, the count dropped since the last one.
+
+Every published event is also one structured log line (logger ``control.events``),
+written once its transaction commits (a rolled-back one logs nothing): ``event`` is
+the event's type; ``event_id``, ``tenant_id`` and the payload's keys in snake_case
+(``nodeId`` is ``node_id``; ``certSerial`` is ``serial``, as in every line) are its
+fields. Refusals and a shared hardware key are warnings, every other event info; a
+refusal's line has the event's budget, so a flood of refusals writes at most 60 lines
+per tenant, attestor, reason and minute too. :func:`log_event` writes the lines of
+what is no event (a renewal).
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
+import re
 from typing import Any
 
+from bcd.systemd import RECORD_ATTRS
 from control.ids import iso, new_id
 from control.store import Row, Tx
 
 REFUSALS_PER_MINUTE = 60
 WINDOW_MS = 60_000
+
+log = logging.getLogger("control.events")
+
+MESSAGES = {
+    "node.joined": "node joined",
+    "node.adopted": "node adopted",
+    "security.join.refused": "join refused",
+    "security.renew.refused": "renewal refused",
+    "security.certificate-revoked": "certificate revoked",
+    "security.join-request.approved": "join request approved",
+    "security.join-request.rejected": "join request rejected",
+    "security.join-token.created": "join token created",
+    "security.join-token.revoked": "join token revoked",
+    "security.hardware-key.shared": "a trusted hardware key is claimed by another tenant's node",
+    "discovery.vouched": "site agent vouched for a machine",
+}
+"""The log line's message of each event type (else the type itself)."""
+_WARNINGS = ("security.join.refused", "security.renew.refused", "security.hardware-key.shared")
+_CAMEL = re.compile(r"(?<=[a-z0-9])(?=[A-Z])")
+
+
+def snake(key: str) -> str:
+    """``certSerial`` → ``cert_serial``: a payload key as a log field's name."""
+    return _CAMEL.sub("_", key).lower()
+
+
+def log_event(
+    event: str,
+    message: str,
+    *,
+    level: int = logging.INFO,
+    logger: logging.Logger = log,
+    **fields: Any,
+) -> None:
+    """One structured log line: ``event`` and ``fields`` become the JSON line's keys
+    (``key=value`` after the text line's message). Never give it a secret."""
+    logger.log(level, "%s", message, extra={"event": event, **fields})
+
+
+def _log_published(event_id: str, tenant_id: str, type_: str, payload: dict[str, Any]) -> None:
+    fields: dict[str, Any] = {"event_id": event_id, "tenant_id": tenant_id}
+    for key, value in payload.items():
+        name = "serial" if key == "certSerial" else snake(key)
+        if name in fields or name in RECORD_ATTRS or name == "event":
+            name = "payload_" + name  # e.g. the other tenant of a shared hardware key
+        fields[name] = value
+    level = logging.WARNING if type_ in _WARNINGS else logging.INFO
+    log_event(type_, MESSAGES.get(type_, type_), level=level, **fields)
 
 
 def publish(tx: Tx, tenant_id: str, type_: str, payload: dict[str, Any]) -> str:
@@ -23,6 +84,7 @@ def publish(tx: Tx, tenant_id: str, type_: str, payload: dict[str, Any]) -> str:
         "INSERT INTO events (id, tenant_id, type, payload, created_at) VALUES (?, ?, ?, ?, ?)",
         (event_id, tenant_id, type_, json.dumps(payload, sort_keys=True), tx.now_ms()),
     )
+    tx.on_commit(functools.partial(_log_published, event_id, tenant_id, type_, dict(payload)))
     return event_id
 
 

@@ -4,7 +4,9 @@
 ``POST /v1/session`` need the node's client certificate. TLS asks for it optionally
 and the application decides (STACK-NOTES): a certificate that is not a live
 node_certs row — unknown, revoked, expired — is answered UNAUTHENTICATED before
-anything else, at renew and at session open. Renewals are limited to 6 per node and
+anything else, at renew, at a vouch and at session open, with a ``reason`` beside
+code and message (``unknown-certificate`` for one the store has no row for: a
+database restored from an older backup). Renewals are limited to 6 per node and
 hour (RESOURCE_EXHAUSTED with ``retry-pushback-ms``).
 ``POST /v1/discovery/vouch`` takes a site agent's vouch for a machine that booted
 on its site (:mod:`control.discovery`), with the same client-certificate check.
@@ -39,11 +41,12 @@ from typing import Any, Protocol, TypeVar
 import trio
 
 from bcd import wire
-from control import discovery, renewal
+from control import discovery, nodefacts, renewal
 from control.errors import ControlError, Refused, StoreUnavailable
 from control.http import Request, Response, error_response, health_response
 from control.joinservice import JoinService
 from control.metrics import Metrics
+from control.sessionreport import SessionReporter
 from control.store import Row, Store, Tx
 
 log = logging.getLogger("control.gateway")
@@ -71,6 +74,8 @@ class _Session:
     """The certificate's remaining life: the session closes when it ends, and the
     node opens the next one with its renewed certificate."""
     replaced: bool = False
+    daemon_version: str = ""
+    """The Hello's, bounded and printable (``""``: none), reported upstream."""
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -115,7 +120,21 @@ class NodeCalls:
             return await self._renew(req)
         if req.method == "POST" and req.path == discovery.VOUCH_PATH:
             return await self._vouch(req)
+        if req.method == "POST" and req.path == nodefacts.SESSIONS_PATH:
+            return await self._sessions_seen(req)
         return error_response("NOT_FOUND", "no such path")
+
+    async def _sessions_seen(self, req: Request) -> Response:
+        """A gateway's report of the sessions it holds (:mod:`control.nodefacts`). Only a
+        gateway reaches this: in one process the Gateway itself, split the relay
+        listener, which takes it from a verified relay certificate only; the
+        gateway's node-facing front door never passes it on."""
+        try:
+            seen = nodefacts.parse_report(wire.loads_object(req.body))
+        except wire.WireError as exc:
+            raise ControlError("INVALID_ARGUMENT", f"malformed session report: {exc}") from exc
+        answer = await self._run(lambda tx: nodefacts.record_sessions(tx, seen))
+        return Response(200, wire.dumps(answer), [("content-type", "application/json")])
 
     async def _join(self, req: Request) -> Response:
         join = functools.partial(self.joinservice.join, req.body, peer_ip=peer_host(req.remote))
@@ -196,12 +215,17 @@ async def live_peer(
     der = req.peer_cert_der
     if der is None:
         raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
-    peer, notice = await _in_tx(store, limiter, lambda tx: renewal.peer_or_notice(tx, der), offload)
+    peer, details = await _in_tx(
+        store, limiter, lambda tx: renewal.peer_or_details(tx, der), offload
+    )
     if peer is None:
+        unknown = details.get("reason") == renewal.UNKNOWN_CERTIFICATE
         raise ControlError(
             "UNAUTHENTICATED",
-            "this certificate is not a live node certificate",
-            details={"notice": notice} if notice else None,
+            renewal.UNKNOWN_MESSAGE
+            if unknown
+            else "this certificate is not a live node certificate",
+            details=details,
         )
     return peer
 
@@ -219,12 +243,23 @@ class Gateway:
     _poked: trio.Event = field(default_factory=trio.Event)
     draining: bool = False
     metrics: Metrics = field(default_factory=Metrics)
+    reports: Handler | None = None
+    """Where session sightings go (:mod:`control.sessionreport`); None: ``upstream``."""
+    reporter: SessionReporter = field(init=False)
 
     def __post_init__(self) -> None:
+        self.reporter = SessionReporter(
+            self.reports or self.upstream, self._live_sightings, self.metrics
+        )
         # read at a scrape: always what the gateway holds, however a stream ended
         self.metrics.sessions_live.set_function(
             lambda: sum(len(peers) for peers in self.sessions.values())
         )
+
+    def _live_sightings(self) -> list[tuple[str, str]]:
+        """(serial, daemon version) of every session open now (the periodic re-report)."""
+        return [(serial, peers[-1].daemon_version)
+                for serial, peers in self.sessions.items() if peers]  # fmt: skip
 
     def poke(self) -> None:
         """Look for revocations now (one was made through this process, or notified)."""
@@ -240,7 +275,12 @@ class Gateway:
             if session.replaced:
                 continue
             session.replaced = True
-            log.info("a session of %s is replaced by a newer one", session.node_id)
+            log.info(
+                "a session of %s is replaced by a newer one",
+                session.node_id,
+                extra={"event": "session.replaced", "node_id": session.node_id,
+                       "serial": session.serial},
+            )  # fmt: skip
             with contextlib.suppress(trio.WouldBlock, trio.BrokenResourceError,
                                      trio.ClosedResourceError):  # fmt: skip
                 session.send.send_nowait(_DRAIN)
@@ -288,19 +328,26 @@ class Gateway:
             raise ControlError("ACCESS_DENIED", "the Hello names another node")
         remaining_ms = await self._run(functools.partial(renewal.remaining_ms, serial=serial))
         send, receive = trio.open_memory_channel[dict[str, Any]](8)
-        session = _Session(node_id, serial, send, max(0.0, remaining_ms / 1000))
+        version = nodefacts.printable_version(hello.daemon_version)
+        session = _Session(node_id, serial, send, max(0.0, remaining_ms / 1000),
+                           daemon_version=version)  # fmt: skip
         self._replace_older(session)
         self.sessions.setdefault(serial, []).append(session)
         self.by_node.setdefault(node_id, []).append(session)
         self.metrics.session_opens.inc()
+        self.reporter.seen(serial, version)  # queued: never delays the session
         session_id = "sess_" + secrets.token_hex(8)
+        journal_id = wire.printable(hello.journal_id)  # the node's text: no line breaks
         log.info(
             "session %s open for %s (journal %s, daemon %s)",
             session_id,
             node_id,
-            hello.journal_id,
-            hello.daemon_version,
-        )
+            journal_id,
+            version,
+            extra={"event": "session.opened", "session_id": session_id, "node_id": node_id,
+                   "serial": serial, "journal_id": journal_id,
+                   "daemon_version": version},
+        )  # fmt: skip
         return Response(
             200,
             headers=[("content-type", "application/x-ndjson")],
@@ -334,7 +381,12 @@ class Gateway:
                     peers.remove(session)
                 if not peers:
                     index.pop(key, None)
-            log.info("session %s closed", session_id)
+            log.info(
+                "session %s closed",
+                session_id,
+                extra={"event": "session.closed", "session_id": session_id,
+                       "node_id": session.node_id, "serial": session.serial},
+            )  # fmt: skip
 
     async def _start_time(self, interval_s: float) -> int:
         """The database's time now, waiting for a database that is down at start."""
@@ -396,6 +448,14 @@ class Gateway:
                         continue
                     self.metrics.revocations_pushed.inc()
                     self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)
+                    log.info(
+                        "revocation of %s pushed to a session of %s",
+                        row["serial"],
+                        session.node_id,
+                        extra={"event": "revocation.pushed", "node_id": session.node_id,
+                               "serial": row["serial"], "reason": notice["reason"],
+                               "latency_s": max(0, now_ms - at) / 1000},
+                    )  # fmt: skip
             for serial, at in list(seen.items()):
                 if at < mark - 1000:
                     del seen[serial]

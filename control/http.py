@@ -22,6 +22,7 @@ from urllib.parse import parse_qsl
 import h11
 import trio
 
+from bcd.credential import shown
 from bcd.wire import STATUS, dumps
 
 logger = logging.getLogger("control.http")
@@ -363,6 +364,15 @@ async def _serve_http(
             except Exception:
                 logger.exception("handler failed on %s %s from %s", got.method, got.path, remote)
                 response = _internal_error()
+            if logger.isEnabledFor(logging.DEBUG):  # the access log, at --log-level debug
+                # h11 refused control characters; the query is not shown, nor a path a
+                # caller put a secret in (a whole token where the revoke path wants its id)
+                path = shown(got.path[:256])
+                logger.debug(
+                    "%s %s from %s: %d", got.method, path, remote, response.status,
+                    extra={"event": "http.request", "method": got.method, "path": path,
+                           "remote": remote, "status": response.status},
+                )  # fmt: skip
             if life.draining.is_set():
                 response.headers.append(("connection", "close"))
             await _respond(stream, conn, got.method, response)

@@ -55,6 +55,7 @@ from control.issuance import (
 from control.joincontext import CHALLENGE_KEEP_MS
 from control.joincontext import JoinContext as _Ctx
 from control.metrics import Metrics
+from control.nodefacts import printable_version
 from control.repos import CONCURRENT, platform_operated
 from control.store import Store, Tx
 
@@ -358,6 +359,7 @@ class JoinService:
                 claims=claims,
                 attestor=attempt.attestor,
                 max_lifetime_s=issue.max_lifetime_s,
+                daemon_version=printable_version(attempt.request.daemon_version),
             )
         else:
             node_id = existing.node_id
@@ -370,6 +372,7 @@ class JoinService:
                 claims=claims,
                 attestor=attempt.attestor,
                 max_lifetime_s=issue.max_lifetime_s,
+                daemon_version=printable_version(attempt.request.daemon_version),
             )
             revoke_node_certs(
                 tx,

@@ -37,6 +37,7 @@ LIMITS = (
     "join-requests-pending",
     "vouches-per-site-agent",
 )
+REPORT_DROP_REASONS = ("queue-full", "upstream")
 _REASON = re.compile(r"[a-z][a-z0-9-]{0,39}")
 REASONS_PER_ATTESTOR = 32
 """Distinct reason labels per attestor (and for renewals); any further reason is ``other``."""
@@ -80,6 +81,11 @@ class Metrics:
         self.session_opens = Counter(
             "bc_session_opens", "Node sessions opened on this gateway.", registry=r
         )
+        self.session_reports_dropped = Counter(
+            "bc_session_reports_dropped", "Session sightings (a node's last seen, its daemon "
+            "version) this gateway could not report to the API, by reason (queue-full, "
+            "upstream).", ["reason"], registry=r,
+        )  # fmt: skip
         self.revocations_pushed = Counter(
             "bc_revocations_pushed", "RevocationNotices pushed onto a live session.", registry=r
         )
@@ -109,6 +115,8 @@ class Metrics:
             self.renewals.labels(outcome)
         for limit in LIMITS:
             self.limit_hits.labels(limit)
+        for reason in REPORT_DROP_REASONS:
+            self.session_reports_dropped.labels(reason)
         self.count_pending: Callable[[], Awaitable[int]] | None = None
         self._pending_at = -1e9
         self._reasons: dict[str, set[str]] = {}
@@ -136,6 +144,11 @@ class Metrics:
         self.renewals.labels(outcome).inc()
         if reason is not None:
             self.renewal_refusals.labels(self._reason("", reason)).inc()
+
+    def reports_dropped(self, reason: str, count: int) -> None:
+        if count > 0:
+            label = reason if reason in REPORT_DROP_REASONS else "upstream"
+            self.session_reports_dropped.labels(label).inc(count)
 
     def limit_hit(self, limit: str) -> None:
         self.limit_hits.labels(limit if limit in LIMITS else "other").inc()

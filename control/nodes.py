@@ -1,4 +1,10 @@
-"""Nodes as the API shows them; revoking a node's identity and deleting a node."""
+"""Nodes as the API shows them; adopting, revoking a node's identity and deleting a node.
+
+A node's ``state``: ``adopting`` (joined, or joined again), ``adopted`` (its first
+session's Hello in a pool without ``acceptanceChecks``, else ``nodes adopt``),
+``revoked`` (nodes.revokeIdentity; a re-join or reclaim makes it ``adopting`` again)
+and ``retired`` (deleted; for good). docs/operators.md, "Node states and facts".
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,8 @@ import json
 import re
 from typing import Any
 
-from control import events
-from control.errors import invalid, not_found
+from control import events, nodefacts, tenancy
+from control.errors import ControlError, invalid, not_found
 from control.ids import iso
 from control.joinservice import NoticeSigner, revoke_node_certs
 from control.store import Row, Tx
@@ -26,7 +32,7 @@ def show_node(tx: Tx, tenant_id: str, node_id: str) -> dict[str, Any]:
         (node_id,),
     )
     return {
-        **_node(row),
+        **_node(row, _live_not_after(tx, [node_id]).get(node_id)),
         "certificates": [
             {
                 "serial": c["serial"],
@@ -44,16 +50,57 @@ def show_node(tx: Tx, tenant_id: str, node_id: str) -> dict[str, Any]:
     }
 
 
-def list_nodes(tx: Tx, tenant_id: str, pool_id: str | None = None) -> list[dict[str, Any]]:
+def list_nodes(
+    tx: Tx,
+    tenant_id: str,
+    pool_id: str | None = None,
+    *,
+    page_size: int = tenancy.PAGE_DEFAULT,
+    page_token: str | None = None,
+) -> dict[str, Any]:
+    """One page of the tenant's nodes in id order (``nextPageToken``: the last id shown,
+    when more remain), each with its facts."""
+    if isinstance(page_size, bool) or not 1 <= page_size <= tenancy.PAGE_MAX:
+        raise invalid(f"pageSize must be from 1 to {tenancy.PAGE_MAX}")
     sql = "SELECT * FROM nodes WHERE tenant_id = ?"
     params: list[Any] = [tenant_id]
     if pool_id:
         sql += " AND pool_id = ?"
         params.append(pool_id)
-    return [_node(r) for r in tx.query(sql + " ORDER BY id", params)]
+    if page_token:
+        sql += " AND id > ?"
+        params.append(page_token)
+    rows = tx.query(sql + " ORDER BY id LIMIT ?", [*params, page_size + 1])
+    shown = rows[:page_size]
+    not_after = _live_not_after(tx, [str(r["id"]) for r in shown])
+    page: dict[str, Any] = {"items": [_node(r, not_after.get(str(r["id"]))) for r in shown]}
+    if len(rows) > page_size:
+        page["nextPageToken"] = rows[page_size - 1]["id"]
+    return page
 
 
-def _node(r: Row) -> dict[str, Any]:
+def _live_not_after(tx: Tx, node_ids: list[str]) -> dict[str, int]:
+    """The latest ``not_after`` of each node's live (unrevoked, unexpired) certificates."""
+    if not node_ids:
+        return {}
+    marks = ", ".join("?" * len(node_ids))
+    rows = tx.query(
+        "SELECT node_id, MAX(not_after) AS not_after FROM node_certs "
+        f"WHERE node_id IN ({marks}) AND revoked_at IS NULL AND not_after > ? GROUP BY node_id",
+        [*node_ids, tx.now_ms()],
+    )
+    return {str(r["node_id"]): int(r["not_after"]) for r in rows}
+
+
+def _hostname(claims: str) -> str:
+    try:
+        value = json.loads(claims).get("hostname", "")
+    except (ValueError, AttributeError):
+        return ""
+    return value if isinstance(value, str) else ""
+
+
+def _node(r: Row, cert_not_after: int | None = None) -> dict[str, Any]:
     return {
         "id": r["id"],
         "siteId": r["site_id"],
@@ -64,6 +111,10 @@ def _node(r: Row) -> dict[str, Any]:
         "hardwareKeyTrusted": bool(r["hardware_key_trusted"]),
         "attestor": r["attestor"],
         "createdAt": iso(r["created_at"]),
+        "hostname": _hostname(r["claims"]),
+        "daemonVersion": r["daemon_version"] or None,
+        "lastSeenAt": None if r["last_seen_at"] is None else iso(r["last_seen_at"]),
+        "certificateNotAfter": None if cert_not_after is None else iso(cert_not_after),
     }
 
 
@@ -82,16 +133,23 @@ def revoke_identity(
 
     Each gets a ``security.certificate-revoked`` event, and the call an audit row
     ``node.identity-revoked``. Idempotent: when nothing is live any more it changes
-    nothing and writes nothing. The node keeps its row; it comes back only by
+    nothing and writes nothing. The node's state becomes ``revoked`` (a retired one stays
+    ``retired``). The node keeps its row; it comes back only by
     joining again with fresh evidence (an ``allowReclaim`` token for a machine with a
     trusted hardware key), which raises the identity generation, so certificates of
     older generations stay dead.
     """
     if not isinstance(reason, str) or not _REASON.fullmatch(reason):
         raise invalid("reason must be 1 to 200 printable ASCII characters")
-    _lock_node(tx, tenant_id, node_id)
+    node = _lock_node(tx, tenant_id, node_id)
     serials = revoke_node_certs(tx, tenant_id, node_id, reason, sign_notice)
-    if serials:
+    marked = node["retired_at"] is None and node["state"] != "revoked"
+    if marked:  # a retired node stays retired
+        tx.execute(
+            "UPDATE nodes SET state = 'revoked', updated_at = ? WHERE id = ?",
+            (tx.now_ms(), node_id),
+        )
+    if serials or marked:
         events.audit(
             tx,
             tenant_id,
@@ -136,3 +194,33 @@ def delete_node(tx: Tx, tenant_id: str, node_id: str, sign_notice: NoticeSigner)
         },
     )
     return {"nodeId": node_id, "state": "retired", "revoked": serials}
+
+
+def adopt_node(tx: Tx, tenant_id: str, node_id: str) -> dict[str, Any]:
+    """``nodes adopt``: the operator marks an ``adopting`` node ``adopted`` (a pool with
+    ``acceptanceChecks``: this reference runs no controllers to do it).
+
+    Idempotent (an adopted node answers as it is, writing nothing); a retired or
+    revoked node is FAILED_PRECONDITION. Writes the ``node.adopted`` audit row and
+    event with ``by: operator``.
+    """
+    node = _lock_node(tx, tenant_id, node_id)
+    if node["retired_at"] is not None or node["state"] == "retired":
+        raise ControlError(
+            "FAILED_PRECONDITION",
+            f"{node_id} is retired (deleted); a retired node is never adopted",
+        )
+    if node["state"] == "revoked":
+        raise ControlError(
+            "FAILED_PRECONDITION",
+            f"{node_id} is revoked; it must join again (an allowReclaim token) before "
+            "it can be adopted",
+        )
+    if node["state"] == "adopted":
+        return {"nodeId": node_id, "state": "adopted", "changed": False}
+    tx.execute(
+        "UPDATE nodes SET state = 'adopted', updated_at = ? WHERE id = ? AND state = 'adopting'",
+        (tx.now_ms(), node_id),
+    )
+    nodefacts.record_adopted(tx, tenant_id, node_id, "operator")
+    return {"nodeId": node_id, "state": "adopted", "changed": True}

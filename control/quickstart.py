@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import shlex
 import shutil
 import signal
@@ -24,11 +25,11 @@ import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
+from bcd import fs
 from bcd.hardware import hardware_key, read_claims
 
 BIN = Path(sys.executable).parent
 ROOT = Path(".quickstart").absolute()
-SECRET = "quickstart-secret-not-for-production"  # noqa: S105 - a loopback demo
 CERT_TTL_S = 20
 
 
@@ -110,21 +111,25 @@ def main() -> int:
     home, node = ROOT / "control-plane", ROOT / "node"
     home.mkdir(parents=True, mode=0o700)
     (node / "etc").mkdir(parents=True)
-    # Only the commands that decrypt the PKI (pki …, serve) get the secret; the API
-    # clients and bcd never see it in their environment.
+    # The PKI secret is a new random one in a 0600 file that only the commands which
+    # decrypt the PKI (pki init, pki issue-gateway, serve) name with --secret-file: it
+    # never reaches a child's argv or environment.
     env = {
         k: v
         for k, v in os.environ.items()
-        if k not in ("BETTER_COMPUTE_SECRET", "BETTER_COMPUTE_HOME")
+        if k not in ("BETTER_COMPUTE_SECRET", "BETTER_COMPUTE_HOME", "CREDENTIALS_DIRECTORY")
     }
     env["BETTER_COMPUTE_HOME"] = str(home)
-    pki_env = {**env, "BETTER_COMPUTE_SECRET": SECRET}
+    secret_file = home / "secret"
+    fs.atomic_write(secret_file, secrets.token_urlsafe(32).encode() + b"\n", 0o600)
+    secret = ("--secret-file", str(secret_file))
     bc = str(BIN / "better-compute")
 
     step("the machine PKI: CAs, JoinService keys, a gateway certificate")
-    run(bc, "pki", "init", "--trust-domain", "quickstart.example", env=pki_env)
-    run(bc, "pki", "issue-gateway", "--san", "127.0.0.1", env=pki_env)
-    pins = json.loads(run(bc, "pki", "pins", "--json", env=pki_env))
+    print(f"the PKI secret: a new random one in {secret_file} (0600)")
+    run(bc, "pki", "init", "--trust-domain", "quickstart.example", *secret, env=env)
+    run(bc, "pki", "issue-gateway", "--san", "127.0.0.1", *secret, env=env)
+    pins = json.loads(run(bc, "pki", "pins", "--json", env=env))
 
     step("the root tenant and its API credential")
     cred = home / "root.credential"
@@ -147,13 +152,14 @@ def main() -> int:
     ready = home / "ready.json"
     log = open(home / "serve.log", "wb")  # noqa: SIM115 - closed in finally
     print(
-        f"$ {bc} serve --api-listen 127.0.0.1:0 --gateway-listen 127.0.0.1:0 "
-        f"--cert-ttl-seconds {CERT_TTL_S} --ready-file {ready} &"
+        f"$ {bc} serve --secret-file {secret_file} --api-listen 127.0.0.1:0 "
+        f"--gateway-listen 127.0.0.1:0 --cert-ttl-seconds {CERT_TTL_S} --ready-file {ready} &"
     )
     serve = subprocess.Popen(
         [
             bc,
             "serve",
+            *secret,
             "--api-listen",
             "127.0.0.1:0",
             "--gateway-listen",
@@ -163,7 +169,7 @@ def main() -> int:
             "--cert-ttl-seconds",
             str(CERT_TTL_S),
         ],
-        env=pki_env,
+        env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )

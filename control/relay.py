@@ -9,6 +9,9 @@ adding two headers:
   when it sent none);
 - ``bc-relay-remote``: the node's address as the gateway saw it (``host:port``).
 
+The gateway's own report of the sessions it holds (:data:`GATEWAY_PATHS`,
+:mod:`control.sessionreport`) goes the same way, with neither header.
+
 The relay listener believes those headers only from a verified relay certificate
 (:func:`control.gatewaypki.is_relay_certificate`), then judges the call exactly as
 the one-process ``serve`` does (:class:`control.gateway.NodeCalls`). What a stolen
@@ -36,7 +39,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import httpx
 import trio
 
-from control import discovery
+from control import discovery, nodefacts
 from control.errors import ControlError
 from control.gatewaypki import GatewayBundle, is_relay_certificate
 from control.http import Request, Response, error_response
@@ -48,6 +51,9 @@ log = logging.getLogger("control.relay")
 PEER_CERT_HEADER = "bc-relay-peer-cert"
 REMOTE_HEADER = "bc-relay-remote"
 RELAYED_PATHS = frozenset({"/v1/join", "/v1/renew", discovery.VOUCH_PATH})
+GATEWAY_PATHS = frozenset({nodefacts.SESSIONS_PATH})
+"""The gateway's own calls (its session report): never a node's, which the gateway's
+front door answers NOT_FOUND; here only from a relay certificate, like the rest."""
 MAX_ANSWER = 1 << 20  # an API replica's answer is a few KiB; more is not relayed
 MAX_PEER_CERT_B64 = 8 * 1024
 MAX_REMOTE = 64
@@ -197,7 +203,7 @@ class RelayListener:
             return await self.health(req.path)
         if is_relay_certificate(req.peer_cert_der) is None:
             return error_response("UNAUTHENTICATED", "a relay client certificate is required")
-        if req.method != "POST" or req.path not in RELAYED_PATHS:
+        if req.method != "POST" or req.path not in RELAYED_PATHS | GATEWAY_PATHS:
             return error_response("NOT_FOUND", "no such path")
         try:
             inner = dataclasses.replace(

@@ -54,6 +54,10 @@ RATE_WINDOW_MS = admission.RATE_WINDOW_MS
 # is the revoking transaction's start, so a slow transaction can commit a
 # revocation stamped before one already seen (see revoked_since).
 REVOKED_SINCE_OVERLAP_MS = 120_000
+# The UNAUTHENTICATED answer's ``reason`` for a client certificate that is no
+# node_certs row (a database restored from an older backup; PROTOCOL.md addition).
+UNKNOWN_CERTIFICATE = "unknown-certificate"
+UNKNOWN_MESSAGE = "this certificate is not known to the control plane"
 
 
 class RenewRefused(Refused):
@@ -201,6 +205,16 @@ class RenewService:
             node_id,
             {"nodeId": node_id, "previousSerial": serial, "certSerial": new.serial_hex},
         )
+        tx.on_commit(
+            lambda: events.log_event(
+                "node.renewed",
+                "node renewed",
+                tenant_id=tenant,
+                node_id=node_id,
+                previous_serial=serial,
+                serial=new.serial_hex,
+            )
+        )
         return signed_identity(
             crypto, "renewed", spiffe, role, cert, attempt.csr_sha256, now_ms, generation
         )
@@ -286,15 +300,29 @@ def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
     return str(row["node_id"]), str(row["serial"])
 
 
-def peer_or_notice(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | None, str | None]:
-    """:func:`peer_status`, and when the certificate is not live because it was
-    revoked, its signed RevocationNotice (for the UNAUTHENTICATED answer)."""
+def peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | None, dict[str, str]]:
+    """:func:`peer_status`, else the fields of the UNAUTHENTICATED answer beside code
+    and message: ``reason`` (:data:`UNKNOWN_CERTIFICATE`, ``revoked``, ``expired`` or
+    ``node-retired``) and, for a revoked certificate, its signed ``notice``.
+
+    A certificate the store has no row for is what a node that joined or renewed
+    after the backup the database was restored from presents (docs/operators.md,
+    "Backup and restore"). The reason is a hint, not a proof: a relaying gateway can
+    send any, so the node stops only on the signed notice (:mod:`bcd.revocation`).
+    """
     peer = peer_status(tx, peer_cert_der)
     if peer is not None:
-        return peer, None
+        return peer, {}
     row = repos.cert_row(tx, peer_cert_der)
-    notice = row.get("revoke_notice") if row is not None and row["revoked_at"] else None
-    return None, str(notice) if notice else None
+    if row is None:
+        return None, {"reason": UNKNOWN_CERTIFICATE}
+    if row["revoked_at"] is not None:
+        notice = row.get("revoke_notice")
+        return None, {"reason": "revoked", **({"notice": str(notice)} if notice else {})}
+    now_ms = tx.now_ms()
+    if not int(row["not_before"]) <= now_ms <= int(row["not_after"]):
+        return None, {"reason": "expired"}
+    return None, {"reason": "node-retired"}
 
 
 def remaining_ms(tx: Tx, serial: str) -> int:

@@ -124,15 +124,17 @@ def insert_node(
     claims: dict[str, Any],
     attestor: str,
     max_lifetime_s: int | None,
+    daemon_version: str = "",
 ) -> str:
-    """A new node, ``adopting``, identity generation 1; returns its id."""
+    """A new node, ``adopting``, identity generation 1; returns its id. ``daemon_version``:
+    the join request's (``""``: none named), until a session's Hello names one."""
     node_id = new_id("node")
     now_ms = tx.now_ms()
     tx.execute(
         "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, "
         "identity_generation, hardware_key, hardware_key_trusted, claims, attestor, "
-        "max_lifetime_s, created_at, updated_at) "
-        "VALUES (?, ?, ?, ?, ?, 'adopting', 1, ?, ?, ?, ?, ?, ?, ?)",
+        "max_lifetime_s, daemon_version, created_at, updated_at) "
+        "VALUES (?, ?, ?, ?, ?, 'adopting', 1, ?, ?, ?, ?, ?, ?, ?, ?)",
         (
             node_id,
             tenant_id,
@@ -144,6 +146,7 @@ def insert_node(
             json.dumps(claims, sort_keys=True),
             attestor,
             max_lifetime_s,
+            daemon_version or None,
             now_ms,
             now_ms,
         ),
@@ -160,17 +163,21 @@ def rejoin_node(
     claims: dict[str, Any],
     attestor: str,
     max_lifetime_s: int | None,
+    daemon_version: str = "",
 ) -> None:
-    """A reclaimed or re-joined node: its new identity generation, ``adopting`` again."""
+    """A reclaimed or re-joined node: its new identity generation, ``adopting`` again
+    (a ``revoked`` or ``adopted`` one too; its next session's Hello may adopt it)."""
     tx.execute(
         "UPDATE nodes SET identity_generation = ?, state = 'adopting', role = ?, "
-        "claims = ?, attestor = ?, max_lifetime_s = ?, updated_at = ? WHERE id = ?",
+        "claims = ?, attestor = ?, max_lifetime_s = ?, "
+        "daemon_version = COALESCE(?, daemon_version), updated_at = ? WHERE id = ?",
         (
             generation,
             role,
             json.dumps(claims, sort_keys=True),
             attestor,
             max_lifetime_s,
+            daemon_version or None,
             tx.now_ms(),
             node_id,
         ),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import logging
 import resource
@@ -19,7 +20,7 @@ import trio
 from bcd import fs
 from bcd.pki import cert_pem
 from bcd.plugins import Plugins, load_plugins
-from bcd.systemd import notify, under_journald
+from bcd.systemd import LEVELS, configure_logging, notify, under_journald
 from control import gatewaypki, pki, relay, retention, revocations
 from control.api import App
 from control.errors import ControlError, StoreUnavailable
@@ -87,12 +88,14 @@ def raise_file_limit() -> int:
     return soft
 
 
-def _setup_logging() -> None:
-    # Under journald the journal stamps each line: no second timestamp (bcd.systemd).
-    log_format = "%(levelname)s %(name)s: %(message)s"
+def setup_logging(level: str = "info", log_format: str = "text") -> None:
+    """``--log-level`` and ``--log-format`` on stderr (:func:`bcd.systemd.configure_logging`:
+    under journald each line carries its ``<N>`` priority and the text format no second
+    timestamp, since the journal stamps each line)."""
+    text = "%(levelname)s %(name)s: %(message)s"
     if not under_journald(sys.stderr):
-        log_format = "%(asctime)s " + log_format
-    logging.basicConfig(level=logging.INFO, format=log_format, stream=sys.stderr)
+        text = "%(asctime)s " + text
+    configure_logging(sys.stderr, LEVELS[level], text, log_format=log_format)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per relayed call
 
 
@@ -160,9 +163,11 @@ def main(
     api_upstreams: Sequence[str] = (),
     drain_s: float = DRAIN_S,
     metrics_listen: str | None = None,
+    log_level: str = "info",
+    log_format: str = "text",
 ) -> int:
     """``better-compute serve``: ``role`` all (one process, the default), api or gateway."""
-    _setup_logging()
+    setup_logging(log_level, log_format)
     files = raise_file_limit()
     if files < sum(lim.max_connections for lim in LIMITS.values()) + 256:
         log.warning("open-file limit %d is below the connection limits' sum", files)
@@ -197,6 +202,14 @@ def main(
             relay_san=relay_san or gateway_san,
             metrics=metrics,
         )
+    if role == "all" and not gateway_url:
+        parts.gateway_url_host = default_gateway_host(gateway_listen, gateway_san)
+    if role != "gateway" and not gateway_url and parts.gateway_url_host is None:
+        log.warning(
+            "no --gateway-url: the well-known document has no gateway section, so bcd join "
+            "--server cannot bootstrap a machine; give --gateway-url https://NAME[:PORT], "
+            "the address nodes dial"
+        )
     listens = {"api": api_listen, "gateway": gateway_listen}
     if relay_listen is not None:
         listens["relay"] = relay_listen
@@ -225,6 +238,10 @@ class _Parts:
     listen_url: str | None = None  # PostgreSQL LISTEN for revocations
     readiness: _Readiness | None = None
     metrics: Metrics = field(default_factory=Metrics)
+    # --gateway-url's loopback default (default_gateway_host): published once the
+    # gateway listener has its port, before the API listens
+    publish_gateway: Callable[[str], None] | None = None
+    gateway_url_host: str | None = None
 
 
 def _api_parts(
@@ -255,21 +272,23 @@ def _api_parts(
     plugins = load_plugins()
     for failure in plugins.failures:
         log.warning("attestor plugin %s did not load: %s", failure.name, failure.error)
+    log.debug("attestor plugins loaded: %s", ", ".join(sorted(plugins.names())))
     check_attestor_settings(plugins, settings)
     reach.probe(db_url)  # one line, exit 1, within the connect timeout: not 30 s of retries
     store = open_store(db_url, max_size=12)
     store.migrate()
     store.on_tx = metrics.observe_tx
     metrics.count_pending = functools.partial(_count_pending, store)
-    gateway_doc = None
-    if gateway_url:
-        gateway_doc = {
-            "url": gateway_url,
+
+    def gateway_doc(url: str) -> dict[str, Any]:
+        return {
+            "url": url,
             "serverName": gateway_san,
             "servingCaPin": loaded.pins()["serving_ca_spki_pin"],
             # the node's only TLS trust anchor (bcd.servingca), checked against the pin
             "servingCaPem": cert_pem(loaded.serving_ca),
         }
+
     # the tenant API has threads (and connections) of its own, so a flood of node calls
     # cannot keep an operator from revoking a node, nor the other way round
     limiter, api_limiter = trio.CapacityLimiter(8), trio.CapacityLimiter(4)
@@ -300,7 +319,7 @@ def _api_parts(
     app = App(
         store=store,
         well_known_join=dict(loaded.well_known_join()),
-        gateway=gateway_doc,
+        gateway=gateway_doc(gateway_url) if gateway_url else None,
         limiter=api_limiter,
         on_revocation=on_revocation,
         downloads=downloads.absolute() if downloads is not None else None,
@@ -309,7 +328,36 @@ def _api_parts(
         attestors=tuple(plugins.names()),
     )
     parts.handlers["api"] = (app.api, None)
+
+    def publish_gateway(url: str) -> None:
+        app.gateway = gateway_doc(url)
+
+    parts.publish_gateway = publish_gateway
     return parts
+
+
+def _loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def default_gateway_host(gateway_listen: str, gateway_san: str) -> str | None:
+    """The host of ``--gateway-url``'s default for ``--role all``, or None for no default.
+
+    Only a one-machine run has one: the gateway listens on a loopback address and its
+    certificate names a loopback address or ``localhost`` (the defaults, 127.0.0.1), so
+    no other machine can dial it and the listener's own address is the one right URL.
+    Anywhere else the URL is the name and port nodes dial, perhaps through a load
+    balancer or NAT, which only the operator knows: no guess is published.
+    """
+    host, _port = _split(gateway_listen)
+    if not (_loopback(host) and _loopback(gateway_san)):
+        return None
+    return f"[{host}]" if ":" in host else host
 
 
 def _gateway_parts(
@@ -445,10 +493,19 @@ async def _serve_until_signal(
                         on_limit=parts.metrics.limit_hit,
                     )
                 )
+                if name == "gateway" and parts.gateway_url_host and parts.publish_gateway:
+                    url = f"https://{parts.gateway_url_host}:{bound[name]}"
+                    parts.publish_gateway(url)  # before the API listens: never half a document
+                    log.info(
+                        "the well-known document publishes the gateway as %s (no --gateway-url, "
+                        "a loopback default: nodes on other machines need --gateway-url)",
+                        url,
+                    )
             if parts.role != "gateway":
                 nursery.start_soon(retention.pruner, parts.store, parts.limiter)
             if parts.gateway is not None:
                 nursery.start_soon(parts.gateway.revocation_poller)
+                nursery.start_soon(parts.gateway.reporter.run)
                 if parts.listen_url is not None:
                     nursery.start_soon(revocations.listen, parts.listen_url, parts.gateway.poke)
             ready = _ready_doc(parts.role, listens, bound)

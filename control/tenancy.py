@@ -69,11 +69,13 @@ def create_site(tx: Tx, tenant_id: str, name: str, *, custom: bool = False) -> R
     if not name or len(name) > 100:
         raise invalid("the site name must be 1 to 100 characters")
     site_id = new_id("site")
+    now = tx.now_ms()
     tx.execute(
         "INSERT INTO sites (id, tenant_id, name, custom, created_at) VALUES (?, ?, ?, ?, ?)",
-        (site_id, tenant_id, name, 1 if custom else 0, tx.now_ms()),
+        (site_id, tenant_id, name, 1 if custom else 0, now),
     )
-    return {"id": site_id, "tenantId": tenant_id, "name": name, "custom": custom}
+    return {"id": site_id, "tenantId": tenant_id, "name": name, "custom": custom,
+            "createdAt": iso(now)}  # fmt: skip
 
 
 def create_pool(
@@ -81,16 +83,18 @@ def create_pool(
 ) -> Row:
     if agent not in AGENTS:
         raise invalid(f"agent must be one of {', '.join(AGENTS)}")
+    check_policy_shape(policy)
     if not name or len(name) > 100:
         raise invalid("the pool name must be 1 to 100 characters")
     site = tx.one("SELECT tenant_id FROM sites WHERE id = ?", (site_id,))
     if site is None:
         raise not_found("no such site")
     pool_id = new_id("pool")
+    now = tx.now_ms()
     tx.execute(
         "INSERT INTO pools (id, tenant_id, site_id, name, agent, policy, created_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?)",
-        (pool_id, tenant_id, site_id, name, agent, json.dumps(policy), tx.now_ms()),
+        (pool_id, tenant_id, site_id, name, agent, json.dumps(policy), now),
     )
     return {
         "id": pool_id,
@@ -99,6 +103,7 @@ def create_pool(
         "name": name,
         "agent": agent,
         "policy": policy,
+        "createdAt": iso(now),
     }
 
 
@@ -113,15 +118,27 @@ def owned_pool(tx: Tx, tenant_id: str, pool_id: str) -> Row:
 def set_pool_policy(tx: Tx, tenant_id: str, pool_id: str, policy: dict[str, Any]) -> Row:
     """Replace a pool's policy (``joinAttestors``, ``acceptanceChecks``, ``kubernetes``)."""
     owned_pool(tx, tenant_id, pool_id)
+    check_policy_shape(policy)
+    tx.execute("UPDATE pools SET policy = ? WHERE id = ?", (json.dumps(policy), pool_id))
+    row = tx.one("SELECT * FROM pools WHERE id = ?", (pool_id,))
+    assert row is not None
+    return pool_record(row)
+
+
+def check_policy_shape(policy: dict[str, Any]) -> None:
+    """INVALID_ARGUMENT when a key this code reads has the wrong type: ``joinAttestors``
+    a list of names, ``acceptanceChecks`` a boolean, ``kubernetes`` an object whose
+    ``platformOperated`` is a boolean (other keys are kept as given)."""
     attestors = policy.get("joinAttestors")
     if attestors is not None and (
         not isinstance(attestors, list) or not all(isinstance(a, str) and a for a in attestors)
     ):
         raise invalid("policy.joinAttestors must be a list of attestor names")
-    tx.execute("UPDATE pools SET policy = ? WHERE id = ?", (json.dumps(policy), pool_id))
-    row = tx.one("SELECT * FROM pools WHERE id = ?", (pool_id,))
-    assert row is not None
-    return pool_record(row)
+    if not isinstance(policy.get("acceptanceChecks", False), bool):
+        raise invalid("policy.acceptanceChecks must be true or false")
+    kube = policy.get("kubernetes", {})
+    if not isinstance(kube, dict) or not isinstance(kube.get("platformOperated", False), bool):
+        raise invalid("policy.kubernetes must be an object; its platformOperated true or false")
 
 
 def unknown_attestors(names: list[str], known: Sequence[str]) -> str | None:

@@ -450,3 +450,57 @@ def test_parse_config_structured_inputs_raise_only_config_error(doc: dict[str, s
     except ConfigError:
         return
     assert parse_config(render_config(cfg), CFG_PATH) == cfg
+
+
+# --- [metrics] --------------------------------------------------------------------
+
+TEXTFILE = "/var/lib/prometheus/node-exporter/bcd.prom"
+
+
+def test_metrics_textfile_is_read_and_round_trips() -> None:
+    cfg = parse_config(minimal() + f'[metrics]\ntextfile = "{TEXTFILE}"\n', CFG_PATH)
+    assert cfg.metrics.textfile == Path(TEXTFILE)
+    text = render_config(cfg)
+    assert tomllib.loads(text)["metrics"] == {"textfile": TEXTFILE}
+    assert parse_config(text, CFG_PATH) == cfg
+
+
+def test_no_metrics_table_writes_no_textfile() -> None:
+    cfg = parse_config(minimal(), CFG_PATH)
+    assert cfg.metrics.textfile is None
+    assert "metrics" not in tomllib.loads(render_config(cfg))
+    assert parse_config(minimal() + "[metrics]\n", CFG_PATH).metrics.textfile is None
+
+
+@pytest.mark.parametrize(
+    ("value", "fragment"),
+    [
+        ('"bcd.prom"', '"metrics.textfile" must be an absolute path'),
+        ('"relative/dir/bcd.prom"', '"metrics.textfile" must be an absolute path'),
+        ('"/var/lib/node-exporter/bcd.txt"', '"metrics.textfile" must end in .prom'),
+        ('"/var/lib/node-exporter/.prom"', '"metrics.textfile" must end in .prom'),
+        ('"/var/lib/node-exporter/"', "without . or .. parts"),
+        ('"/var/lib/../../etc/cron.d/x.prom"', "without . or .. parts"),
+        ('"/var/lib/./bcd.prom"', "without . or .. parts"),
+        ('"/var/lib/bcd\\nfoo.prom"', "must not hold control characters"),
+        ('"/var/lib/bcd\\u0000.prom"', '"metrics.textfile" must be an absolute path'),
+        ('"/var/lib/bcd\\u001b[31m.prom"', "must not hold control characters"),
+        ('""', '"metrics.textfile" must not be empty'),
+        ("17", '"metrics.textfile" must be a string'),
+        ('["/a.prom"]', '"metrics.textfile" must be a string'),
+        (f'"/{"a" * 256}.prom"', "has a part longer than 255 bytes"),
+        (f'"{"/abcdefgh" * 600}.prom"', "longer than 4095 bytes"),
+    ],
+)
+def test_bad_metrics_textfile_is_refused_naming_the_key(value: str, fragment: str) -> None:
+    message = error_of(minimal() + f"[metrics]\ntextfile = {value}\n")
+    assert message.startswith(f"{CFG_PATH}: ")
+    assert fragment in message
+    assert "\n" not in message
+    assert "\x1b" not in message
+
+
+def test_metrics_must_be_a_table_with_known_keys() -> None:
+    assert '"metrics" must be a table' in error_of(minimal(metrics='"/a.prom"'))
+    message = error_of(minimal() + '[metrics]\ntextfile = "/a.prom"\nlisten = ":9100"\n')
+    assert 'unknown key "metrics.listen"' in message

@@ -81,6 +81,7 @@ def test_joined_is_ok(tmp_path: Path, ca: CertAuthority) -> None:
         "checks": [
             {"name": "config", "status": "ok", "message": str(tmp_path / "config.toml")},
             {"name": "identity", "status": "ok", "message": checks[1].message},
+            {"name": "revoked", "status": "ok", "message": checks[2].message},
         ],
         "ok": True,
     }
@@ -426,3 +427,184 @@ def test_no_config_no_serving_ca_check(tmp_path: Path) -> None:
     assert checks["servingca"] == Check(
         "servingca", "fail", "cannot check serving-ca.pem without a configuration"
     )
+
+
+# --- the revoked check: what bcd node recorded in the journal ---------------------------
+
+REVOKED_WAY_BACK = (
+    "the machine comes back only by joining again with fresh evidence (a new token, or "
+    "the TPM): as root, bcd join --reset --yes, then bcd join"
+)
+
+
+def _joined_with_journal(
+    tmp_path: Path, ca: CertAuthority, *records: tuple[str, dict[str, object], datetime | None]
+) -> tuple[Path, str]:
+    """A joined node's config and its certificate's serial, its journal.db holding
+    ``records`` (kind, payload, time) written the way bcd node writes them."""
+    from bcd.journal import open_journal
+
+    data_dir = tmp_path / "data"
+    join(data_dir, ca)
+    state = load_state(data_dir)
+    assert state is not None
+    with open_journal(data_dir, _now()) as journal:
+        for kind, payload, at in records:
+            journal.append(kind, payload, at)
+    config = offline_node_config(tmp_path, data_dir, '[tpm]\nmode = "off"\n')
+    return config, state.leaf_info.serial_hex
+
+
+def _line(out: str, name: str) -> str:
+    lines = [line for line in out.splitlines() if line.split()[1:2] == [name]]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def test_a_recorded_revocation_of_this_certificate_fails_with_the_way_back(
+    tmp_path: Path, ca: CertAuthority, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, serial = _joined_with_journal(
+        tmp_path / "r", ca, ("revoked", {"reason": "key-compromise", "serial": "ab"}, None)
+    )
+    # a revocation of another certificate (before a re-join kept the journal): ok
+    assert main(["doctor", "--config", str(config)]) == 0
+    assert _line(capsys.readouterr().out, "revoked").startswith("ok    revoked")
+    from bcd.journal import open_journal
+
+    with open_journal(tmp_path / "r" / "data", _now()) as journal:
+        journal.append("revoked", {"reason": "key-compromise", "serial": serial})
+    assert main(["doctor", "--config", str(config)]) == 1
+    line = _line(capsys.readouterr().out, "revoked")
+    assert line.startswith("fail  revoked   bcd node stopped at ")
+    assert f'(serial {serial}, reason "key-compromise")' in line
+    assert line.endswith(REVOKED_WAY_BACK)
+    assert main(["doctor", "--config", str(config), "--json"]) == 1
+    body = json.loads(capsys.readouterr().out)
+    assert body["ok"] is False
+    assert {c["name"]: c["status"] for c in body["checks"]}["revoked"] == "fail"
+
+
+def test_a_revocation_recorded_without_a_serial_applies_when_not_older_than_the_certificate(
+    tmp_path: Path, ca: CertAuthority, capsys: pytest.CaptureFixture[str]
+) -> None:
+    old = _now() - timedelta(days=3)  # before the certificate: a previous identity's
+    config, _ = _joined_with_journal(tmp_path / "a", ca, ("revoked", {"reason": "x"}, old))
+    assert main(["doctor", "--config", str(config)]) == 0
+    capsys.readouterr()
+    config, _ = _joined_with_journal(tmp_path / "b", ca, ("revoked", {"reason": "x"}, None))
+    assert main(["doctor", "--config", str(config)]) == 1
+    assert REVOKED_WAY_BACK in _line(capsys.readouterr().out, "revoked")
+
+
+def test_an_unreadable_journal_is_a_warning_and_doctor_moves_nothing(
+    tmp_path: Path, ca: CertAuthority
+) -> None:
+    data_dir = tmp_path / "data"
+    join(data_dir, ca)
+    (data_dir / "journal.db").write_bytes(b"not sqlite at all" * 100)
+    checks = run_checks(offline_node_config(tmp_path, data_dir), _now())
+    revoked = [c for c in checks if c.name == "revoked"]
+    assert revoked[0].status == "warn"
+    assert "cannot read the journal" in revoked[0].message
+    assert (data_dir / "journal.db").read_bytes() == b"not sqlite at all" * 100
+
+
+def test_unknown_certificate_last_heard_is_a_session_warning_until_a_session_opens(
+    tmp_path: Path, ca: CertAuthority, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bcd.journal import open_journal
+
+    config, serial = _joined_with_journal(tmp_path, ca)
+    with open_journal(tmp_path / "data", _now()) as journal:
+        journal.append("session-open", {"serial": serial})
+        journal.append("unknown-certificate", {"serial": serial})
+    assert main(["doctor", "--config", str(config)]) == 0  # a warning: the node retries
+    line = _line(capsys.readouterr().out, "session")
+    assert line.startswith("warn  session   at ")
+    assert f"the control plane does not know this node's certificate (serial {serial})" in line
+    assert "restored from a backup older than this certificate" in line
+    assert line.endswith(WAY_BACK)
+    with open_journal(tmp_path / "data", _now()) as journal:
+        journal.append("session-open", {"serial": serial})
+    assert main(["doctor", "--config", str(config)]) == 0
+    assert " session " not in capsys.readouterr().out
+
+
+# --- the hardware check: what the machine claims at join ---------------------------------
+
+
+def test_a_machine_with_a_trusted_key_shows_its_claims(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.fakesys import make_machine
+
+    root = make_machine(
+        tmp_path / "sys",
+        product_uuid="4C4C4544-0042-3510-8052-B4C04F4E3232",
+        product_serial="SN-1234",
+        macs=["0c:c4:7a:12:34:56"],
+        random_macs=["02:11:22:33:44:55"],
+        hostname="gpu-7",
+    )
+    config = offline_node_config(tmp_path, tmp_path / "data", '[tpm]\nmode = "off"\n')
+    assert main(["doctor", "--config", str(config), "--sysfs-root", str(root)]) == 0
+    line = _line(capsys.readouterr().out, "hardware")
+    assert line.startswith(
+        'ok    hardware  join claims: product UUID "4C4C4544-0042-3510-8052-B4C04F4E3232"; '
+        'serials "SN-1234"; permanent MACs "0c:c4:7a:12:34:56"; GPU UUIDs none; '
+        'hostname "gpu-7"; hardware key sha256:'
+    )
+    assert line.endswith("is trusted (mac, product_uuid, serial)")
+    assert "02:11:22:33:44:55" not in line  # a randomised MAC is not claimed
+    assert main(["doctor", "--config", str(config), "--sysfs-root", str(root), "--json"]) == 0
+    hw = {c["name"]: c for c in json.loads(capsys.readouterr().out)["checks"]}["hardware"]
+    details = hw["details"]
+    assert details["trusted"] is True
+    assert details["placeholderReasons"] == []
+    assert details["identifiers"]["product_uuid"] == ["4c4c4544-0042-3510-8052-b4c04f4e3232"]
+    assert details["claims"]["hostname"] == "gpu-7"
+    assert "boot_id" not in details["claims"]
+    assert len(details["hardwareKey"]) == 64
+
+
+def test_a_placeholder_machine_says_which_values_and_why(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from bcd import hardware
+    from tests.fakesys import make_machine
+
+    root = make_machine(
+        tmp_path / "sys",
+        product_uuid="00000000-0000-0000-0000-000000000000",
+        product_serial="To Be Filled By O.E.M.",
+        macs=["0c:c4:7a:12:34:56"],
+        hostname="localhost",
+    )
+    config = offline_node_config(tmp_path, tmp_path / "data", '[tpm]\nmode = "off"\n')
+    assert main(["doctor", "--config", str(config), "--sysfs-root", str(root)]) == 0
+    line = _line(capsys.readouterr().out, "hardware")
+    assert line.startswith("warn  hardware  join claims: ")
+    assert (
+        'the hardware key is a placeholder (product UUID "00000000-0000-0000-0000-000000000000" '
+        "is a placeholder or malformed (dropped); "
+        'product serial "To Be Filled By O.E.M." is a placeholder or malformed (dropped); '
+        "kinds that survived: permanent MAC; a trusted key needs two of them; "
+        "neither a product UUID nor a serial survived)"
+    ) in line
+    assert "refused as placeholder hardware unless the token binds this machine with expect" in line
+    # the rule doctor shows is the one JoinService applies (one function for both)
+    claims = hardware.read_claims(root)
+    assert hardware.hardware_key(claims).placeholder
+
+
+def test_a_value_with_a_control_character_cannot_forge_a_doctor_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from tests.fakesys import make_machine
+
+    root = make_machine(tmp_path / "sys", product_serial="A\nok    revoked   forged")
+    config = offline_node_config(tmp_path, tmp_path / "data", '[tpm]\nmode = "off"\n')
+    main(["doctor", "--config", str(config), "--sysfs-root", str(root)])
+    out = capsys.readouterr().out
+    assert "\nok    revoked   forged" not in out

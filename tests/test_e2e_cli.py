@@ -21,7 +21,7 @@ def test_quickstart_runs_twice(tmp_path: Path) -> None:
         done = subprocess.run(
             [sys.executable, "-m", "control.quickstart"],
             cwd=tmp_path,
-            env={**cli_env(tmp_path), "PYTHONPATH": str(Path(__file__).parents[1])},
+            env={**cli_env(tmp_path, secret=False), "PYTHONPATH": str(Path(__file__).parents[1])},
             capture_output=True,
             text=True,
             timeout=120,
@@ -35,6 +35,15 @@ def test_quickstart_runs_twice(tmp_path: Path) -> None:
         assert "bcd node | bcd: bcd.renew: renewed: certificate " in done.stdout
         assert "bcd node | agent: this node's certificate was revoked" in done.stdout
         assert "bcd node exited 1 " in done.stdout
+        # the PKI secret: a new random one in a 0600 file, named by --secret-file, never
+        # printed (nor in any child's environment: no BETTER_COMPUTE_SECRET is set)
+        secret_file = tmp_path / ".quickstart" / "control-plane" / "secret"
+        assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
+        secret = secret_file.read_text().strip()
+        assert len(secret) >= 32
+        assert f"serve --secret-file {secret_file} " in done.stdout
+        serve_log = (secret_file.parent / "serve.log").read_text()
+        assert secret not in done.stdout + done.stderr + serve_log
     assert (tmp_path / ".quickstart" / "node" / "data" / "identity.json").exists()
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
+import threading
 from pathlib import Path
 
 import pytest
@@ -73,13 +73,32 @@ def test_node_exits_cleanly_on_sigterm(short_lived: ControlPlane, tmp_path: Path
     assert node.join(cp.token(pool)["token"]).returncode == 0
     proc = _start_node(node)
     try:
-        time.sleep(1.5)
+        # SIGTERM once the agent runs (its session is open), not after a fixed sleep: on
+        # a loaded machine the interpreter may still be importing, and Python's default
+        # SIGTERM action is not the agent's clean stop
+        assert _wait_for_line(proc, "session open", 60), "bcd node never opened its session"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(10) == 0
     finally:
         if proc.poll() is None:
             proc.kill()
         proc.communicate()
+
+
+def _wait_for_line(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> bool:
+    """Read ``proc``'s stderr until a line holds ``needle`` (True) or it ends or
+    ``timeout_s`` passes (False); the reader thread leaves the rest of stderr unread."""
+    found = threading.Event()
+
+    def read() -> None:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if needle in line:
+                found.set()
+                return
+
+    threading.Thread(target=read, daemon=True).start()
+    return found.wait(timeout_s)
 
 
 def test_node_without_identity_says_how_to_join(short_lived: ControlPlane, tmp_path: Path) -> None:

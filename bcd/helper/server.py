@@ -465,13 +465,13 @@ async def _main(settings: HelperSettings) -> None:
                 break
 
 
-def run_helper(cfg: Config, warn: Callable[[str], None]) -> int:
+def run_helper(cfg: Config, warn: Callable[[str], None], *, level: int = logging.INFO) -> int:
     """``bcd helper``: serve until SIGTERM or SIGINT (0); 1 when it cannot start.
 
-    Runs as root. A reason it cannot start is one line to ``warn`` (bcd helper prints
-    it on stderr).
+    Runs as root, logging at ``level`` (``--log-level``). A reason it cannot start is
+    one line to ``warn`` (bcd helper prints it on stderr).
     """
-    logging.getLogger().setLevel(logging.INFO)
+    logging.getLogger().setLevel(level)
     outcome = 0
     try:
         if os.geteuid() != 0:

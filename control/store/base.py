@@ -5,6 +5,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import importlib.resources
+import logging
 import re
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -21,10 +22,13 @@ class Tx(abc.ABC):
 
     ``revoked`` is set by whoever revokes a certificate in it: after the commit the
     store wakes the gateways' revocation polls (PostgreSQL NOTIFY, best effort).
+    :meth:`on_commit` runs a callable after the commit, never after a rollback (the
+    events' log lines: a rolled-back transaction logs nothing).
     """
 
     for_update: str = ""
     revoked: bool = False
+    _on_commit: list[Callable[[], None]] | None = None
     clock: Clock | None = None
     """The store's injected clock (tests); None: the database's own time."""
     _now: int | None = None
@@ -47,6 +51,20 @@ class Tx(abc.ABC):
         if self._now is None:
             self._now = self.clock.now_ms() if self.clock is not None else self._database_ms()
         return self._now
+
+    def on_commit(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` once this transaction committed (:meth:`Store.tx`)."""
+        if self._on_commit is None:
+            self._on_commit = []
+        self._on_commit.append(fn)
+
+    def committed(self) -> None:
+        """Run the :meth:`on_commit` callables (the store calls it after the commit)."""
+        for fn in self._on_commit or ():
+            try:
+                fn()
+            except Exception:  # it committed: the caller's answer must not change
+                logging.getLogger("control.store").exception("an after-commit call failed")
 
     @abc.abstractmethod
     def _database_ms(self) -> int:
@@ -77,6 +95,7 @@ class Store(abc.ABC):
         if observe is None:
             with self._tx() as tx:
                 yield tx
+            tx.committed()
             return
         start = time.perf_counter()
         try:
@@ -84,6 +103,7 @@ class Store(abc.ABC):
                 yield tx
         finally:
             observe(time.perf_counter() - start)
+        tx.committed()
 
     @abc.abstractmethod
     def _tx(self) -> contextlib.AbstractContextManager[Tx]:

@@ -458,7 +458,12 @@ async def test_bcd_node_stops_on_a_signed_revocation_notice_only(
     assert "certificate revoked (reason: key compromised" in text
 
 
-RENEWAL_FAILED = re.compile(r"renewal failed \(attempt 1, expiresIn [^)]*\): (.*)")
+# the message, then the text format's structured fields (attempt=… expiresIn=…)
+RENEWAL_FAILED = re.compile(
+    r"renewal failed \(attempt 1, expiresIn [^)]*\): (.*?)(?: attempt=\d+ expiresIn=\S+ "
+    r"expiresInSeconds=-?\d+)?$",
+    re.M,
+)
 
 
 @pytest.mark.parametrize(
