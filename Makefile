@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/tpm.py
 	$(BIN)/python bench/replicas.py
 	$(BIN)/python bench/cli_start.py
+	$(BIN)/python bench/fleet.py --nodes 1000 --procs 2 --gateways 2
 
 # HTTP-level property-based fuzzing of a real serve (fuzz/http_fuzz.py; not part of
 # make test): 100,000 inputs per path family by default, --per-family N for less.

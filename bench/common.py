@@ -8,24 +8,36 @@ from __future__ import annotations
 
 import contextlib
 import importlib.metadata
+import json
 import os
 import platform
 import random
+import re
 import secrets
+import shutil
 import ssl
 import statistics
+import subprocess
+import sys
 import time
 import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
 import cryptography
 import psycopg
 import trio
+from cryptography import x509
 from cryptography.hazmat.backends.openssl import backend as openssl_backend
 from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.asymmetric import ec, x25519
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from cryptography.hazmat.primitives.kdf.concatkdf import ConcatKDFHash
+from cryptography.hazmat.primitives.keywrap import aes_key_unwrap
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from bcd import __version__, pki, wire
 from bcd.errors import BcdError
@@ -271,6 +283,182 @@ def make_tls_server_share() -> Callable[[], None]:
         tls_key.sign(transcript, ec.ECDSA(hashes.SHA256()))
 
     return tls_server_share
+
+
+# --- the raw floor: ``cryptography`` primitives only --------------------------------
+#
+# What a join or renewal cannot avoid, done with nothing but ``cryptography`` (and
+# hashlib): no jwcrypto, no project code. The project's own calls are timed beside it
+# for reference; the ratio the benches print is always to this.
+
+
+def _len_prefixed(data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + data
+
+
+def open_seal_bare(sealed: str, key: ec.EllipticCurvePrivateKey) -> bytes:
+    """The seal's primitives alone (RFC 7518 ECDH-ES+A256KW, A256GCM), no jwcrypto."""
+    h64, ek64, iv64, ct64, tag64 = sealed.split(".")
+    header = json.loads(pki.b64url_decode(h64))
+    epk = ec.EllipticCurvePublicNumbers(
+        int.from_bytes(pki.b64url_decode(header["epk"]["x"]), "big"),
+        int.from_bytes(pki.b64url_decode(header["epk"]["y"]), "big"),
+        ec.SECP256R1(),
+    ).public_key()
+    shared = key.exchange(ec.ECDH(), epk)
+    other = (
+        _len_prefixed(header["alg"].encode("ascii"))
+        + _len_prefixed(pki.b64url_decode(header.get("apu", "")))
+        + _len_prefixed(pki.b64url_decode(header.get("apv", "")))
+        + (256).to_bytes(4, "big")
+    )
+    kek = ConcatKDFHash(hashes.SHA256(), 32, other).derive(shared)
+    cek = aes_key_unwrap(kek, pki.b64url_decode(ek64))
+    ciphertext = pki.b64url_decode(ct64) + pki.b64url_decode(tag64)
+    return AESGCM(cek).decrypt(pki.b64url_decode(iv64), ciphertext, h64.encode("ascii"))
+
+
+def raw_csr_verify(der: bytes) -> ec.EllipticCurvePublicKey:
+    """Parse a DER CSR and check its self-signature (cryptography alone)."""
+    csr = x509.load_der_x509_csr(der)
+    if not csr.is_signature_valid:
+        raise ValueError("the CSR's signature does not verify")
+    key = csr.public_key()
+    assert isinstance(key, ec.EllipticCurvePublicKey)
+    return key
+
+
+def raw_leaf(
+    ca: x509.Certificate,
+    ca_key: ec.EllipticCurvePrivateKey,
+    public_key: ec.EllipticCurvePublicKey,
+    uri: str,
+    role: str,
+) -> x509.Certificate:
+    """A node leaf with the extensions PROTOCOL.md names, built and signed directly."""
+    now = datetime.now(UTC)
+    aki = ca.extensions.get_extension_for_class(x509.SubjectKeyIdentifier).value
+    return (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATIONAL_UNIT_NAME, role)]))
+        .issuer_name(ca.subject)
+        .public_key(public_key)
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now)
+        .not_valid_after(now + timedelta(hours=24))
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
+        .add_extension(
+            x509.AuthorityKeyIdentifier.from_issuer_subject_key_identifier(aki), critical=False
+        )
+        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(uri)]), False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(True, False, False, False, False, False, False, False, False), True
+        )
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), False)
+        .sign(ca_key, hashes.SHA256())
+    )
+
+
+def raw_sign(key: ec.EllipticCurvePrivateKey, data: bytes) -> bytes:
+    """ECDSA P-256 / SHA-256 over ``data`` (a JWS signing input, a TLS transcript)."""
+    return key.sign(data, ec.ECDSA(hashes.SHA256()))
+
+
+# --- in process: the service alone, and instruction counts ---------------------------
+
+
+def cprofile_shares(fn: Callable[[], None], top: int = 22) -> list[tuple[float, float, str]]:
+    """Run ``fn`` under cProfile; (% of its time, own %, function) by cumulative time."""
+    import cProfile
+    import pstats
+
+    prof = cProfile.Profile()
+    prof.enable()
+    fn()
+    prof.disable()
+    stats = pstats.Stats(prof)
+    raw: dict[Any, Any] = stats.stats  # type: ignore[attr-defined]
+    total = max(stats.total_tt, 1e-9)  # type: ignore[attr-defined]
+    rows = []
+    for (filename, line, name), (_cc, _nc, tt, ct, _callers) in raw.items():
+        where = filename.replace(str(Path(__file__).resolve().parent.parent) + "/", "")
+        if "site-packages/" in where:
+            where = where.split("site-packages/", 1)[1]
+        rows.append((ct / total * 100, tt / total * 100, f"{where}:{line}({name})"))
+    rows.sort(reverse=True)
+    return rows[:top]
+
+
+@contextlib.contextmanager
+def py_spy(pid: int, out: Path | None) -> Iterator[None]:
+    """Sample ``pid`` with py-spy (collapsed stacks to ``out``) while the block runs."""
+    exe = Path(sys.executable).parent / "py-spy"
+    if out is None or not exe.exists():
+        yield
+        return
+    cmd = [str(exe), "record", "-p", str(pid), "-o", str(out), "--format", "raw"]
+    proc = subprocess.Popen(
+        [*cmd, "--rate", "200", "--nonblocking", "--threads"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    time.sleep(1.0)  # py-spy attaches
+    try:
+        yield
+    finally:
+        proc.send_signal(2)
+        proc.wait(timeout=30)
+
+
+def collapsed_shares(path: Path, top: int = 30) -> list[tuple[float, str]]:
+    """Inclusive % of samples per function in py-spy's collapsed stacks (idle left out)."""
+    counts: dict[str, int] = {}
+    total = 0
+    idle = ("epoll", "select", "wait", "_recv", "get_events", "run_idle", "acquire")
+    for line in path.read_text().splitlines():
+        stack, _, n = line.rpartition(" ")
+        frames = stack.split(";")
+        if not frames or any(k in frames[-1] for k in idle):
+            continue
+        total += int(n)
+        for name in {re.sub(r":\d+\)$", ")", f) for f in frames}:
+            counts[name] = counts.get(name, 0) + int(n)
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])[:top]
+    return [(n * 100 / max(total, 1), name) for name, n in ranked]
+
+
+def callgrind_instructions(argv: list[str]) -> int | None:
+    """Instructions (Ir) of ``python argv`` under valgrind's callgrind; None without it."""
+    if shutil.which("valgrind") is None:
+        return None
+    proc = subprocess.run(
+        [
+            "valgrind",
+            "--tool=callgrind",
+            "--callgrind-out-file=/dev/null",
+            sys.executable,
+            *argv,
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        env={**os.environ, "PYTHONHASHSEED": "0"},
+    )
+    found = re.findall(r"Collected : (\d+)", proc.stderr)
+    if proc.returncode != 0 or not found:
+        print(proc.stderr[-2000:], file=sys.stderr)
+        return None
+    return int(found[-1])
+
+
+def instructions_per_op(script: str, what: str, small: int, large: int) -> float | None:
+    """Instructions per operation: the difference of two runs of ``script --callgrind
+    WHAT N`` (N = small, large) over ``large - small``, so set-up and start-up cancel."""
+    runs = [callgrind_instructions([script, "--callgrind", what, str(n)]) for n in (small, large)]
+    if runs[0] is None or runs[1] is None:
+        return None
+    return (runs[1] - runs[0]) / (large - small)
 
 
 # --- output -------------------------------------------------------------------------

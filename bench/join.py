@@ -35,21 +35,29 @@ What it measures, per store (SQLite file; PostgreSQL at ``BCD_TEST_PG``, default
    and the nodes are counted in the database, so a fast run of refusals cannot
    pass for throughput.
 
-2. **The crypto floor**, timed in-process in the same run with
+2. **The raw crypto floor**, timed in-process in the same run with
    ``time.process_time`` over many iterations (median of 5 rounds): the per-join
-   cryptography the server cannot avoid, as the code does it — opening the sealed
-   token (``bcd.wire.open_seal``: ECDH-ES, AES key unwrap, AES-GCM), parsing the
-   CSR and verifying its ECDSA signature (``bcd.pki.parse_csr``), issuing the leaf
-   (``control.pki.issue_node_leaf``: build and ECDSA-sign), signing the response
-   (``bcd.wire.sign_response``: SHA-256 and ECDSA sign) and the SHA-256 of the
-   token secret (``bcd.wire.secret_matches``). Their sum is the floor. Two
-   reference lines are printed but are *not* in the floor: the seal's bare
-   primitives without jwcrypto (how much of ``open_seal`` is library overhead),
-   and the server's share of a TLS 1.3 handshake (X25519 keygen and agreement,
-   P-256 signature), which every join over a fresh connection also pays.
+   cryptography the server cannot avoid, done with ``cryptography`` alone (no
+   jwcrypto, no project code): the seal opened step by step (ECDH P-256, Concat KDF,
+   AES key unwrap, AES-256-GCM), the CSR parsed and its signature verified, a leaf
+   with PROTOCOL.md's extensions built and signed, the response's JWS signing input
+   (its real size) signed, the SHA-256 of the token secret, and the server's share
+   of a TLS 1.3 handshake (X25519 keygen and agreement, a P-256 signature), which
+   every join over a fresh connection pays. Their sum is the floor. The project's
+   own calls for the same work are printed beside it, for reference only.
+
+3. **JoinService alone, in process**: CPU per ``JoinService.join`` on a SQLite file
+   (no TLS, HTTP or gateway), over the same floor; ``--profile`` adds its cProfile
+   (share of its time per function), ``--py-spy`` samples the running serve with
+   py-spy during the run (a sampling profile of its non-idle threads: waits the
+   sampler cannot tell from work, a lock or a database reply, count too), and
+   ``--instructions`` counts instructions with valgrind's callgrind (``perf stat``
+   has no instructions counter on a VM without a PMU): the bench runs itself under
+   callgrind with 4 and with 24 joins (or floors) after the same set-up, and the
+   difference over 20 is one operation's instructions, which repeat run to run.
 
 How to read it: ``CPU/floor`` says how many times the unavoidable crypto the
-control plane spends per join; what is above 1 is TLS, Python, HTTP, JSON, the
+control plane (serve, plus its PostgreSQL backends) spends per join; what is above 1 is TLS, Python, HTTP, JSON, the
 database and the thread hand-offs. ``joins/s`` is bounded by the serve process's
 CPU (one process; the GIL makes it roughly one core) and by the database's
 serialisation: every join here uses the *same* token, whose row is locked
@@ -69,45 +77,56 @@ from __future__ import annotations
 
 import argparse
 import base64
-import json
+import hashlib
+import hmac
 import os
 import secrets
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 import trio  # noqa: E402
-from cryptography.hazmat.primitives import hashes  # noqa: E402
-from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM  # noqa: E402
-from cryptography.hazmat.primitives.kdf.concatkdf import ConcatKDFHash  # noqa: E402
-from cryptography.hazmat.primitives.keywrap import aes_key_unwrap  # noqa: E402
 
 from bcd import pki, wire  # noqa: E402
 from bcd.join import verify_joined  # noqa: E402
+from bcd.signed import Issued  # noqa: E402
 from bench.common import (  # noqa: E402
     Floor,
     build_bodies,
+    collapsed_shares,
     count_failures,
+    cprofile_shares,
     drive,
+    instructions_per_op,
     make_tls_server_share,
+    open_seal_bare,
     per_call_us,
     pg_backends_cpu_s,
     print_environment,
     proc_cpu_s,
+    py_spy,
+    raw_csr_verify,
+    raw_leaf,
+    raw_sign,
     store_url,
 )
 from control import pki as cpki  # noqa: E402
+from control.issuance import JoinCrypto  # noqa: E402
+from control.server import join_crypto  # noqa: E402
 from tests.e2e import SECRET, TRUST_DOMAIN, ControlPlane, make_pki  # noqa: E402
 
 WARMUP_JOINS = 8
+CALLGRIND_SMALL, CALLGRIND_LARGE = 4, 24
+PY_SPY_OUT: dict[str, Path] = {}
 
 
 # --- driving joins ------------------------------------------------------------------
@@ -134,6 +153,11 @@ class StoreResult:
     @property
     def cpu_ms_per_join(self) -> float:
         return self.server_cpu_s * 1000 / self.joins
+
+    @property
+    def cp_ms_per_join(self) -> float:
+        """The control plane's CPU per join: serve, and its PostgreSQL backends."""
+        return (self.server_cpu_s + (self.pg_cpu_s or 0.0)) * 1000 / self.joins
 
 
 def run_store(kind: str, n: int, concurrency: int, tmp: Path, template: Path) -> StoreResult:
@@ -170,7 +194,8 @@ def _measure(
     pg_before = pg_backends_cpu_s(app_name) if app_name else None
     server_before = proc_cpu_s(cp.proc.pid)
     client_before = time.process_time()
-    outcomes, wall = trio.run(drive, cp.gateway_port, serving_pin, bodies, concurrency)
+    with py_spy(cp.proc.pid, PY_SPY_OUT.get(kind)):
+        outcomes, wall = trio.run(drive, cp.gateway_port, serving_pin, bodies, concurrency)
     client_cpu = time.process_time() - client_before
     server_cpu = proc_cpu_s(cp.proc.pid) - server_before
     pg_after = pg_backends_cpu_s(app_name) if app_name else None
@@ -189,7 +214,7 @@ def _measure(
             key=prepared.key.public_key(),
             role="node",
         )
-        if body.get("kind") == "joined" and body.get("site_id") == site:
+        if isinstance(body, Issued) and body.kind == "joined" and body.site_id == site:
             verified += 1
     nodes = cp.one("SELECT COUNT(*) AS n FROM nodes WHERE pool_id = ?", (pool,))
     left = cp.one("SELECT uses_left FROM join_tokens WHERE id = ?", (token["id"],))
@@ -211,35 +236,25 @@ def _measure(
 # --- the crypto floor ---------------------------------------------------------------
 
 
-def _len_prefixed(data: bytes) -> bytes:
-    return len(data).to_bytes(4, "big") + data
+@dataclass
+class FloorCase:
+    """One realistic join's inputs, for the floor and the in-process loops."""
+
+    loaded: cpki.Pki
+    sealed: str
+    csr_der: bytes
+    secret: str
+    stored_hash: str
+    spiffe: pki.SpiffeId
+    body: dict[str, object]
+    signing_input: bytes
 
 
-def open_seal_bare(sealed: str, key: ec.EllipticCurvePrivateKey) -> bytes:
-    """The seal's primitives alone (RFC 7518 ECDH-ES+A256KW, A256GCM), no jwcrypto."""
-    h64, ek64, iv64, ct64, tag64 = sealed.split(".")
-    header = json.loads(pki.b64url_decode(h64))
-    epk = wire.public_key_of_jwk({k: header["epk"][k] for k in ("kty", "crv", "x", "y")})
-    shared = key.exchange(ec.ECDH(), epk)
-    other = (
-        _len_prefixed(header["alg"].encode("ascii"))
-        + _len_prefixed(pki.b64url_decode(header.get("apu", "")))
-        + _len_prefixed(pki.b64url_decode(header.get("apv", "")))
-        + (256).to_bytes(4, "big")
-    )
-    kek = ConcatKDFHash(hashes.SHA256(), 32, other).derive(shared)
-    cek = aes_key_unwrap(kek, pki.b64url_decode(ek64))
-    ciphertext = pki.b64url_decode(ct64) + pki.b64url_decode(tag64)
-    return AESGCM(cek).decrypt(pki.b64url_decode(iv64), ciphertext, h64.encode("ascii"))
-
-
-def crypto_floor(loaded: cpki.Pki) -> Floor:
-    """Time each piece of the server's per-join crypto on a realistic join."""
+def floor_case(loaded: cpki.Pki) -> FloorCase:
     now = datetime.now(UTC)
     node_key = pki.generate_key()
     csr_der = pki.make_csr(node_key)
     token = wire.JoinToken("jt_" + "0" * 26, base64.urlsafe_b64encode(os.urandom(32))[:43].decode())
-    stored_hash = wire.secret_hash(token.secret)
     enc_key = loaded.join_encryption_key
     enc_pin = pki.spki_pin(enc_key.public_key())
     sealed = wire.seal_token(token, enc_key.public_key(), csr_der, int(now.timestamp()))
@@ -250,7 +265,7 @@ def crypto_floor(loaded: cpki.Pki) -> Floor:
     spiffe = pki.SpiffeId(loaded.trust_domain, site_id, node_id)
     public = pki.csr_public_key(pki.parse_csr(csr_der))
     leaf = cpki.issue_node_leaf(loaded, public, spiffe, "node", (), now, 86_400)
-    body = {
+    body: dict[str, object] = {
         "kind": "joined",
         "node_id": node_id,
         "site_id": site_id,
@@ -263,59 +278,154 @@ def crypto_floor(loaded: cpki.Pki) -> Floor:
         "server_time": int(now.timestamp() * 1000),
         "identity_generation": 1,
     }
-    wire.verify_response(
-        wire.sign_response(body, loaded.join_signing_key),
-        pki.spki_pin(loaded.join_signing_key.public_key()),
+    signed = wire.sign_response(body, loaded.join_signing_key)
+    wire.verify_response(signed, pki.spki_pin(loaded.join_signing_key.public_key()))
+    return FloorCase(
+        loaded,
+        sealed,
+        csr_der,
+        token.secret,
+        wire.secret_hash(token.secret),
+        spiffe,
+        body,
+        signed.rsplit(".", 1)[0].encode("ascii"),
     )
 
-    tls_server_share = make_tls_server_share()
 
-    items = [
+def raw_floor_ops(case: FloorCase) -> list[tuple[str, Callable[[], object]]]:
+    """The floor: each piece of a join's unavoidable crypto, ``cryptography`` alone."""
+    loaded = case.loaded
+    enc_key = loaded.join_encryption_key
+    public = raw_csr_verify(case.csr_der)
+    uri = str(case.spiffe)
+    return [
         (
-            "open the seal (bcd.wire.open_seal: ECDH-ES, AES-KW unwrap, AES-GCM)",
-            per_call_us(lambda: wire.open_seal(sealed, enc_key, enc_pin)),
+            "open the seal (ECDH P-256, Concat KDF, AES-KW unwrap, AES-256-GCM)",
+            lambda: open_seal_bare(case.sealed, enc_key),
+        ),
+        ("verify the CSR (parse, ECDSA P-256 verify)", lambda: raw_csr_verify(case.csr_der)),
+        (
+            "issue the leaf (x509 builder, ECDSA P-256 sign)",
+            lambda: raw_leaf(loaded.node_ca, loaded.node_ca_key, public, uri, "bc-role:node"),
         ),
         (
-            "verify the CSR (bcd.pki.parse_csr: parse, ECDSA verify)",
-            per_call_us(lambda: pki.parse_csr(csr_der)),
+            f"sign the response ({len(case.signing_input)} B: SHA-256, ECDSA P-256 sign)",
+            lambda: raw_sign(loaded.join_signing_key, case.signing_input),
         ),
         (
-            "issue the leaf (control.pki.issue_node_leaf: build, ECDSA sign)",
-            per_call_us(
-                lambda: cpki.issue_node_leaf(loaded, public, spiffe, "node", (), now, 86_400)
+            "token secret (SHA-256, constant-time compare)",
+            lambda: hmac.compare_digest(
+                hashlib.sha256(case.secret.encode()).hexdigest(), case.stored_hash
             ),
         ),
         (
-            "sign the response (bcd.wire.sign_response: SHA-256, ECDSA sign)",
-            per_call_us(lambda: wire.sign_response(body, loaded.join_signing_key)),
-        ),
-        (
-            "token secret (bcd.wire.secret_matches: SHA-256, compare)",
-            per_call_us(lambda: wire.secret_matches(token.secret, stored_hash)),
+            "TLS 1.3 handshake, server's share (X25519 keygen + agree, P-256 sign)",
+            make_tls_server_share(),
         ),
     ]
-    extras = [
+
+
+def crypto_floor(loaded: cpki.Pki) -> Floor:
+    """Time the raw floor and, for reference, the project's own calls for the same work."""
+    case = floor_case(loaded)
+    enc_key = loaded.join_encryption_key
+    enc_pin = pki.spki_pin(enc_key.public_key())
+    public = pki.csr_public_key(pki.parse_csr(case.csr_der))
+    now = datetime.now(UTC)
+    items = [(name, per_call_us(fn)) for name, fn in raw_floor_ops(case)]
+    extras = []
+    if JoinCrypto is not None and hasattr(JoinCrypto, "seal_opener"):
+        opener = join_crypto(loaded).seal_opener
+        extras.append(
+            (
+                "control.pkiseal.SealOpener.open (what JoinService opens seals with)",
+                per_call_us(lambda: opener.open(case.sealed)),
+            )
+        )
+    extras += [
         (
-            "seal primitives alone, no jwcrypto (ECDH, Concat KDF, AES-KW, AES-GCM)",
-            per_call_us(lambda: open_seal_bare(sealed, enc_key)),
+            "bcd.wire.open_seal (jwcrypto; the server's opener before)",
+            per_call_us(lambda: wire.open_seal(case.sealed, enc_key, enc_pin)),
+        ),
+        ("bcd.pki.parse_csr", per_call_us(lambda: pki.parse_csr(case.csr_der))),
+        (
+            "control.pki.issue_node_leaf",
+            per_call_us(
+                lambda: cpki.issue_node_leaf(loaded, public, case.spiffe, "node", (), now, 86_400)
+            ),
         ),
         (
-            "TLS 1.3 handshake, server's share (X25519 keygen + agree, P-256 sign)",
-            per_call_us(tls_server_share),
+            "bcd.wire.sign_response (with its JSON)",
+            per_call_us(lambda: wire.sign_response(case.body, loaded.join_signing_key)),
         ),
     ]
     return Floor(items, extras)
+
+
+# --- in process: JoinService alone on a SQLite file ----------------------------------
+
+
+def inprocess_world(tmp: Path, n: int) -> tuple[Any, list[bytes]]:
+    """A World (tests/world/joins.py) on a fresh SQLite file, one token, n bodies."""
+    from control.store import open_store
+    from tests.world.joins import machine, make_world
+
+    store = open_store(f"sqlite:///{tmp / 'inprocess.db'}")
+    store.migrate()
+    world = make_world(store, cpki.build_pki(TRUST_DOMAIN, datetime.now(UTC)))
+    token = world.mint(max_uses=min(n + WARMUP_JOINS, 10_000))
+    bodies = [world.body(token, machine(i)).body for i in range(n + WARMUP_JOINS)]
+    for body in bodies[:WARMUP_JOINS]:
+        world.svc.join(body)
+    return world, bodies[WARMUP_JOINS:]
+
+
+def inprocess_joins(tmp: Path, n: int, profile: bool) -> tuple[float, list[Any]]:
+    """CPU ms per JoinService.join in this process; with ``profile``, its cProfile."""
+    world, bodies = inprocess_world(tmp, n)
+    start = time.process_time()
+    for body in bodies:
+        world.svc.join(body)
+    ms = (time.process_time() - start) * 1000 / n
+    shares: list[Any] = []
+    if profile:
+        (tmp / "profiled").mkdir()
+        world2, bodies2 = inprocess_world(tmp / "profiled", n)
+
+        def run() -> None:
+            for body in bodies2:
+                world2.svc.join(body)
+
+        shares = cprofile_shares(run)
+    return ms, shares
+
+
+def callgrind_loop(what: str, n: int) -> None:
+    """What ``--callgrind`` runs under valgrind: set up, then n joins or n floors.
+
+    Set-up is the same whatever n is (a fixed 24 bodies are built), so the difference
+    of two runs is n joins' (or floors') instructions alone."""
+    with tempfile.TemporaryDirectory(prefix="bcd-bench-cg-") as name:
+        world, bodies = inprocess_world(Path(name), CALLGRIND_LARGE)
+        if what == "join":
+            for body in bodies[:n]:
+                world.svc.join(body)
+            return
+        ops = raw_floor_ops(floor_case(world.pki))
+        for _ in range(n):
+            for _name, fn in ops:
+                fn()
 
 
 # --- output -------------------------------------------------------------------------
 
 
 def print_floor(floor: Floor) -> None:
-    print("\nCrypto floor per join (CPU µs, median of 5 rounds, in-process):")
+    print("\nRaw crypto floor per join (`cryptography` only; CPU µs, median of 5 rounds):")
     for name, us in floor.items:
         print(f"  {us:8.1f}  {name}")
     print(f"  {floor.total_us:8.1f}  = floor (sum)")
-    print("  not in the floor, for reference:")
+    print("  the project's own calls for the same work, for reference (not the floor):")
     for name, us in floor.extras:
         print(f"  {us:8.1f}  {name}")
 
@@ -340,28 +450,71 @@ def print_table(results: list[StoreResult], floor: Floor, concurrency: int) -> N
     print(f"\nJoin throughput ({concurrency} concurrent clients, one TLS connection per join):")
     head = (
         f"{'store':<9} {'joins':>6} {'wall s':>8} {'joins/s':>8} "
-        f"{'CPU ms/join':>12} {'floor ms/join':>14} {'CPU/floor':>10}"
+        f"{'CP CPU ms/join':>15} {'floor ms/join':>14} {'CPU/floor':>10}"
     )
     print(head)
     print("-" * len(head))
     for r in results:
         print(
             f"{r.store:<9} {r.joins:>6} {r.wall_s:>8.2f} {r.joins_per_s:>8.1f} "
-            f"{r.cpu_ms_per_join:>12.3f} {floor_ms:>14.3f} {r.cpu_ms_per_join / floor_ms:>10.1f}"
+            f"{r.cp_ms_per_join:>15.3f} {floor_ms:>14.3f} {r.cp_ms_per_join / floor_ms:>10.1f}"
         )
+    print(
+        "CP CPU = control plane: the serve process, plus its PostgreSQL backends where used;"
+        " floor = the raw `cryptography` floor above, TLS share included, this run."
+    )
+
+
+def print_inprocess(ms: float, floor: Floor, shares: list[Any]) -> None:
+    floor_ms = floor.total_us / 1000
+    print(
+        f"\nJoinService.join in process (SQLite file, no TLS/HTTP): {ms:.3f} ms CPU per join, "
+        f"{ms / floor_ms:.1f}x the floor"
+    )
+    if shares:
+        print("  cProfile, % of JoinService.join's time (cumulative, own):")
+        for cum, own, where in shares:
+            print(f"  {cum:6.1f}% {own:6.1f}%  {where}")
+
+
+def print_instructions(join_ir: float | None, floor_ir: float | None) -> None:
+    if join_ir is None or floor_ir is None:
+        print("\nInstructions: valgrind (callgrind) not usable here")
+        return
+    print(
+        "\nInstructions (valgrind --tool=callgrind; perf stat has no instructions counter on"
+        " this VM), in process, difference of "
+        f"{CALLGRIND_LARGE} and {CALLGRIND_SMALL} operations:"
+    )
+    print(f"  {join_ir / 1e6:8.2f} M per JoinService.join (SQLite, no TLS/HTTP)")
+    print(f"  {floor_ir / 1e6:8.2f} M per raw floor (TLS share included)")
+    print(f"  ratio {join_ir / floor_ir:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--joins", type=int, default=300, help="joins per store (default 300)")
-    parser.add_argument("--store", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--store", choices=("sqlite", "postgres", "both", "none"), default="both")
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent clients")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile JoinService.join in process"
+    )
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions under callgrind"
+    )
+    parser.add_argument(
+        "--py-spy", action="store_true", help="sample the serve process with py-spy"
+    )
+    parser.add_argument("--callgrind", nargs=2, metavar=("WHAT", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.callgrind:
+        callgrind_loop(args.callgrind[0], int(args.callgrind[1]))
+        return 0
     if not 1 <= args.joins <= 10_000:
         parser.error("--joins must be from 1 to 10000 (a token's maxUses limit)")
     if args.concurrency < 1:
         parser.error("--concurrency must be at least 1")
-    kinds = ["sqlite", "postgres"] if args.store == "both" else [args.store]
+    kinds = {"both": ["sqlite", "postgres"], "none": []}.get(args.store, [args.store])
 
     print_environment()
     results: list[StoreResult] = []
@@ -374,11 +527,27 @@ def main(argv: list[str] | None = None) -> int:
         assert loaded.trust_domain == TRUST_DOMAIN
         floor = crypto_floor(loaded)
         print_floor(floor)
+        (tmp / "inprocess").mkdir()
+        ms, shares = inprocess_joins(tmp / "inprocess", args.joins, args.profile)
+        print_inprocess(ms, floor, shares)
         for kind in kinds:
+            if args.py_spy:
+                PY_SPY_OUT[kind] = Path(tempfile.gettempdir()) / f"bcd-bench-py-spy-{kind}.txt"
             res = run_store(kind, args.joins, args.concurrency, tmp, template)
             print_store(res)
+            if args.py_spy and PY_SPY_OUT[kind].exists():
+                print("  py-spy, serve process, % of its busy samples (inclusive):")
+                for share, where in collapsed_shares(PY_SPY_OUT[kind]):
+                    print(f"  {share:6.1f}%  {where}")
             results.append(res)
-    print_table(results, floor, args.concurrency)
+    if results:
+        print_table(results, floor, args.concurrency)
+    if args.instructions:
+        script = str(Path(__file__).resolve())
+        print_instructions(
+            instructions_per_op(script, "join", CALLGRIND_SMALL, CALLGRIND_LARGE),
+            instructions_per_op(script, "floor", CALLGRIND_SMALL, CALLGRIND_LARGE),
+        )
     return 0
 
 

@@ -42,19 +42,18 @@ What it measures:
      check, the rate check, JoinService.Renew) and the database driver or engine.
      PostgreSQL's own backends are printed apart, as in ``bench/join.py``.
 
-2. **The crypto floor of one renewal**, timed in-process in the same run
-   (``time.process_time``, median of 5 rounds), as the code does it: the proof of
-   possession (``bcd.pki.verify_p1363`` over ``bcd.pki.renew_pop_message``: SHA-256
-   of the CSR, ECDSA verify), the CSR (``bcd.pki.parse_csr``: parse, ECDSA verify),
-   the new leaf (``control.pki.issue_node_leaf``: build, ECDSA sign), the signed
-   answer (``bcd.wire.sign_response``: SHA-256, ECDSA sign) and the SHA-256 of the
-   proof (``control.renewal.proof_sha256``). Their sum is the floor. Printed apart,
-   not in the floor: the server's share of checking the TLS client certificate
-   (OpenSSL verifies the leaf's signature under the node CA and the node CA's under
-   the node root, and the handshake's CertificateVerify under the leaf's key: three
-   ECDSA verifies), and, for reference, the server's share of a TLS 1.3 handshake
-   (X25519, P-256 sign). ``CPU/floor`` is the table's ratio; the ratio with the
-   client-certificate share counted in the floor is printed under the table.
+2. **The raw crypto floor of one renewal**, timed in-process in the same run
+   (``time.process_time``, median of 5 rounds), with ``cryptography`` alone: the
+   proof of possession's ECDSA verify, the CSR parsed and verified, the new leaf
+   built and signed, the answer's JWS signing input signed, the proof's SHA-256, the
+   server's share of checking the TLS client certificate (the leaf's signature under
+   the node CA, the node CA's under the node root, the handshake's CertificateVerify
+   under the leaf's key: three ECDSA verifies) and of the TLS 1.3 handshake (X25519,
+   P-256 sign). Their sum is the floor; ``CPU/floor`` is control-plane CPU (serve
+   plus PostgreSQL backends) over it. The project's own calls are printed beside it
+   for reference. ``RenewService.renew`` alone in process (SQLite file) is printed
+   too, with ``--profile`` (cProfile) and ``--instructions`` (callgrind, as in
+   ``bench/join.py``).
 
 3. **Revocation latency**, on SQLite only (the path under test is the gateway's
    revocation poller and the session, not the store's speed; one store is enough).
@@ -85,6 +84,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import hashlib
 import json
 import random
 import secrets
@@ -93,9 +93,11 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -104,11 +106,13 @@ if str(ROOT) not in sys.path:
 import trio  # noqa: E402
 from cryptography.hazmat.primitives import hashes  # noqa: E402
 from cryptography.hazmat.primitives.asymmetric import ec  # noqa: E402
+from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature  # noqa: E402
 
 from bcd import pki, wire  # noqa: E402
 from bcd.config import Config, render_config  # noqa: E402
-from bcd.identity import LoadedState, persist_join  # noqa: E402
-from bcd.join import identity_of, verify_joined  # noqa: E402
+from bcd.identity import LoadedState, make_identity, persist_join  # noqa: E402
+from bcd.issued import issued_identity  # noqa: E402
+from bcd.join import verify_joined  # noqa: E402
 from bcd.keys.file import generate_file_key, key_to_pem  # noqa: E402
 from bcd.node import REVOKED_MESSAGE  # noqa: E402
 from bcd.renew import RENEW_PATH, build_request, verify_renewed  # noqa: E402
@@ -118,23 +122,31 @@ from bench.common import (  # noqa: E402
     Outcome,
     build_bodies,
     count_failures,
+    cprofile_shares,
     drive,
+    instructions_per_op,
     make_tls_server_share,
     per_call_us,
     pg_backends_cpu_s,
     post_gateway,
     print_environment,
     proc_cpu_s,
+    raw_csr_verify,
+    raw_leaf,
+    raw_sign,
     store_url,
 )
 from control import pki as cpki  # noqa: E402
+from control.admission import CLOCK_SKEW_MS  # noqa: E402
 from control.errors import ControlError  # noqa: E402
 from control.gateway import REVOCATION_POLL_S  # noqa: E402
-from control.renewal import CLOCK_SKEW_MS, RENEWALS_PER_HOUR, proof_sha256  # noqa: E402
+from control.proofs import proof_sha256  # noqa: E402
+from control.renewal import RENEWALS_PER_HOUR  # noqa: E402
 from tests.e2e import BIN, SECRET, TRUST_DOMAIN, ControlPlane, cli_env, make_pki  # noqa: E402
 
 MAX_ROUNDS = RENEWALS_PER_HOUR - 1  # leave one renewal of the hour's budget unused
 WARMUP_NODES = 8
+CALLGRIND_SMALL, CALLGRIND_LARGE = 4, 24
 JOIN_CONCURRENCY = 8
 LEAF_TTL_S = 86_400
 OPEN_TIMEOUT_S = 60.0
@@ -190,7 +202,8 @@ def join_members(
             key=prepared.key.public_key(),
             role="node",
         )
-        identity = identity_of(body)
+        assert isinstance(body, wire.Issued), "the join did not answer joined"
+        identity = issued_identity(body, "file")
         leaf = identity.leaf()
         state = LoadedState(
             data_dir=Path("."),  # held in memory only
@@ -306,6 +319,11 @@ class StoreResult:
     def cpu_ms_per_renewal(self) -> float:
         return self.server_cpu_s * 1000 / self.renewals
 
+    @property
+    def cp_ms_per_renewal(self) -> float:
+        """The control plane's CPU per renewal: serve, and its PostgreSQL backends."""
+        return (self.server_cpu_s + (self.pg_cpu_s or 0.0)) * 1000 / self.renewals
+
 
 def run_store(
     kind: str, n_nodes: int, rounds: int, concurrency: int, tmp: Path, template: Path
@@ -372,8 +390,11 @@ def _measure(
 # --- the crypto floor ---------------------------------------------------------------
 
 
-def renew_floor(loaded: cpki.Pki) -> Floor:
-    """Time each piece of the server's per-renewal crypto on a realistic renewal."""
+Ops = list[tuple[str, Callable[[], object]]]
+
+
+def renew_ops(loaded: cpki.Pki) -> tuple[Ops, Ops]:
+    """The raw floor's pieces of one realistic renewal, and the project's calls for them."""
     now = datetime.now(UTC)
     site_id, node_id = "site_" + "1" * 26, "node_" + "2" * 26
     spiffe = pki.SpiffeId(loaded.trust_domain, site_id, node_id)
@@ -386,7 +407,14 @@ def renew_floor(loaded: cpki.Pki) -> Floor:
         "server_time": int(now.timestamp() * 1000),
         "identity_generation": 1,
     }
-    identity = identity_of(joined)
+    identity = make_identity(
+        chain=str(joined["chain"]),
+        bundle=str(joined["bundle"]),
+        trust_version=loaded.trust_version,
+        server_time=now.strftime("%Y-%m-%dT%H:%M:%SZ"),
+        key="file",
+        identity_generation=1,
+    )
     state = LoadedState(Path("."), identity, node_key, leaf, pki.leaf_info(leaf))
     next_key = generate_file_key()
     csr_der, req = build_request(state, next_key, int(now.timestamp() * 1000))
@@ -428,45 +456,71 @@ def renew_floor(loaded: cpki.Pki) -> Floor:
         leaf_key.verify(certificate_verify, transcript, ec.ECDSA(hashes.SHA256()))
 
     tls_client_cert_share()  # raises if the chain does not verify
+    pop_der = encode_dss_signature(
+        int.from_bytes(req.pop_sig[:32], "big"), int.from_bytes(req.pop_sig[32:], "big")
+    )
+    pop_message = pki.renew_pop_message(req.csr_der, node_id, req.client_time_ms)
+    signed = wire.sign_response(body, loaded.join_signing_key)
+    signing_input = signed.rsplit(".", 1)[0].encode("ascii")
 
-    items = [
+    def raw_pop() -> None:
+        leaf_key.verify(pop_der, pop_message, ec.ECDSA(hashes.SHA256()))
+
+    uri = str(spiffe)
+    items: Ops = [
+        ("verify the proof (ECDSA P-256 verify over the pop message)", raw_pop),
         (
-            "verify the proof (bcd.pki.renew_pop_message + verify_p1363: SHA-256, ECDSA verify)",
-            per_call_us(verify_pop),
+            "verify the CSR (parse, ECDSA P-256 verify)",
+            (lambda: raw_csr_verify(csr_der)),
         ),
         (
-            "verify the CSR (bcd.pki.parse_csr: parse, ECDSA verify)",
-            per_call_us(lambda: pki.parse_csr(csr_der)),
+            "issue the leaf (x509 builder, ECDSA P-256 sign)",
+            (lambda: raw_leaf(node_ca, loaded.node_ca_key, new_public, uri, "bc-role:node")),
         ),
         (
-            "issue the leaf (control.pki.issue_node_leaf: build, ECDSA sign)",
-            per_call_us(
-                lambda: cpki.issue_node_leaf(
-                    loaded, new_public, spiffe, "node", (), now, LEAF_TTL_S
-                )
-            ),
+            f"sign the response ({len(signing_input)} B: SHA-256, ECDSA P-256 sign)",
+            (lambda: raw_sign(loaded.join_signing_key, signing_input)),
         ),
         (
-            "sign the response (bcd.wire.sign_response: SHA-256, ECDSA sign)",
-            per_call_us(lambda: wire.sign_response(body, loaded.join_signing_key)),
+            "SHA-256 of the proof",
+            (lambda: hashlib.sha256(req.pop_sig).hexdigest()),
         ),
-        (
-            "SHA-256 of the proof (control.renewal.proof_sha256: low-S, SHA-256)",
-            per_call_us(lambda: proof_sha256(req.pop_sig)),
-        ),
-    ]
-    extras = [
         (
             "TLS client certificate, server's share (leaf and node CA signatures, "
             "CertificateVerify: 3 ECDSA verifies)",
-            per_call_us(tls_client_cert_share),
+            tls_client_cert_share,
         ),
         (
             "TLS 1.3 handshake, server's share (X25519 keygen + agree, P-256 sign)",
-            per_call_us(make_tls_server_share()),
+            make_tls_server_share(),
         ),
     ]
-    return Floor(items, extras)
+    extras: Ops = [
+        (
+            "bcd.pki.renew_pop_message + verify_p1363",
+            verify_pop,
+        ),
+        ("bcd.pki.parse_csr", (lambda: pki.parse_csr(csr_der))),
+        (
+            "control.pki.issue_node_leaf",
+            (lambda: cpki.issue_node_leaf(loaded, new_public, spiffe, "node", (), now, LEAF_TTL_S)),
+        ),
+        (
+            "bcd.wire.sign_response (with its JSON)",
+            (lambda: wire.sign_response(body, loaded.join_signing_key)),
+        ),
+        ("control.renewal.proof_sha256", (lambda: proof_sha256(req.pop_sig))),
+    ]
+    return items, extras
+
+
+def renew_floor(loaded: cpki.Pki) -> Floor:
+    """Time each piece of the raw floor, and the project's calls, in this process."""
+    items, extras = renew_ops(loaded)
+    return Floor(
+        [(name, per_call_us(fn)) for name, fn in items],
+        [(name, per_call_us(fn)) for name, fn in extras],
+    )
 
 
 # --- revocation latency -------------------------------------------------------------
@@ -649,17 +703,13 @@ def run_latency(trials: int, batch: int, tmp: Path, template: Path) -> LatencyRe
 
 
 def print_floor(floor: Floor) -> None:
-    print("\nCrypto floor per renewal (CPU µs, median of 5 rounds, in-process):")
+    print("\nRaw crypto floor per renewal (`cryptography` only; CPU µs, median of 5 rounds):")
     for name, us in floor.items:
         print(f"  {us:8.1f}  {name}")
     print(f"  {floor.total_us:8.1f}  = floor (sum)")
-    print("  not in the floor, printed apart:")
+    print("  the project's own calls for the same work, for reference (not the floor):")
     for name, us in floor.extras:
         print(f"  {us:8.1f}  {name}")
-    client_cert_us = floor.extras[0][1]
-    print(
-        f"  {floor.total_us + client_cert_us:8.1f}  = floor with the TLS client-certificate share"
-    )
 
 
 def print_store(res: StoreResult) -> None:
@@ -687,22 +737,97 @@ def print_table(results: list[StoreResult], floor: Floor, concurrency: int) -> N
     )
     head = (
         f"{'store':<9} {'renewals':>8} {'wall s':>8} {'renewals/s':>11} "
-        f"{'CPU ms/renewal':>15} {'floor ms/renewal':>17} {'CPU/floor':>10}"
+        f"{'CP CPU ms/renewal':>18} {'floor ms/renewal':>17} {'CPU/floor':>10}"
     )
     print(head)
     print("-" * len(head))
     for r in results:
         print(
             f"{r.store:<9} {r.renewals:>8} {r.wall_s:>8.2f} {r.renewals_per_s:>11.1f} "
-            f"{r.cpu_ms_per_renewal:>15.3f} {floor_ms:>17.3f} "
-            f"{r.cpu_ms_per_renewal / floor_ms:>10.1f}"
+            f"{r.cp_ms_per_renewal:>18.3f} {floor_ms:>17.3f} "
+            f"{r.cp_ms_per_renewal / floor_ms:>10.1f}"
         )
-    with_cert = (floor.total_us + floor.extras[0][1]) / 1000
-    ratios = ", ".join(f"{r.cpu_ms_per_renewal / with_cert:.1f} ({r.store})" for r in results)
     print(
-        f"with the TLS client-certificate share in the floor ({with_cert:.3f} ms): "
-        f"CPU/floor {ratios}"
+        "CP CPU = control plane: the serve process, plus its PostgreSQL backends where used;"
+        " floor = the raw `cryptography` floor above, TLS shares included, this run."
     )
+
+
+def print_inprocess(ms: float, floor: Floor, shares: list[Any]) -> None:
+    floor_ms = floor.total_us / 1000
+    print(
+        f"\nRenewService.renew in process (SQLite file, no TLS/HTTP, no gateway checks): "
+        f"{ms:.3f} ms CPU per renewal, {ms / floor_ms:.1f}x the floor"
+    )
+    if shares:
+        print("  cProfile, % of RenewService.renew's time (cumulative, own):")
+        for cum, own, where in shares:
+            print(f"  {cum:6.1f}% {own:6.1f}%  {where}")
+
+
+def print_instructions(renew_ir: float | None, floor_ir: float | None) -> None:
+    if renew_ir is None or floor_ir is None:
+        print("\nInstructions: valgrind (callgrind) not usable here")
+        return
+    print(
+        "\nInstructions (valgrind --tool=callgrind; perf stat has no instructions counter on"
+        f" this VM), in process, difference of {CALLGRIND_LARGE} and {CALLGRIND_SMALL}:"
+    )
+    print(f"  {renew_ir / 1e6:8.2f} M per RenewService.renew (SQLite, no TLS/HTTP)")
+    print(f"  {floor_ir / 1e6:8.2f} M per raw floor (TLS shares included)")
+    print(f"  ratio {renew_ir / floor_ir:.2f}")
+
+
+# --- in process: RenewService alone on a SQLite file ---------------------------------
+
+
+def inprocess_env(tmp: Path, n: int) -> tuple[Any, list[tuple[bytes, bytes]]]:
+    """An Env (tests/world/renewals.py) on a fresh SQLite file; n joined nodes' bodies."""
+    from control.store import open_store
+    from tests.world.renewals import make_env
+
+    store = open_store(f"sqlite:///{tmp / 'inprocess.db'}")
+    store.migrate()
+    env = make_env(store, cpki.build_pki(TRUST_DOMAIN, datetime.now(UTC)))
+    nodes = [env.join(i) for i in range(n + WARMUP_NODES)]
+    bodies = [(env.body(node).body, node.der) for node in nodes]
+    for body, der in bodies[:WARMUP_NODES]:
+        env.renewals.renew(body, der)
+    return env, bodies[WARMUP_NODES:]
+
+
+def inprocess_renewals(tmp: Path, n: int, profile: bool) -> tuple[float, list[Any]]:
+    env, bodies = inprocess_env(tmp, n)
+    start = time.process_time()
+    for body, der in bodies:
+        env.renewals.renew(body, der)
+    ms = (time.process_time() - start) * 1000 / n
+    shares: list[Any] = []
+    if profile:
+        (tmp / "profiled").mkdir()
+        env2, bodies2 = inprocess_env(tmp / "profiled", n)
+
+        def run() -> None:
+            for body, der in bodies2:
+                env2.renewals.renew(body, der)
+
+        shares = cprofile_shares(run)
+    return ms, shares
+
+
+def callgrind_loop(what: str, n: int) -> None:
+    """What ``--callgrind`` runs under valgrind: the same set-up, then n renewals or n
+    floors (the floor's pieces once each, as ``renew_floor`` times them)."""
+    with tempfile.TemporaryDirectory(prefix="bcd-bench-cg-") as name:
+        env, bodies = inprocess_env(Path(name), CALLGRIND_LARGE)
+        if what == "renew":
+            for body, der in bodies[:n]:
+                env.renewals.renew(body, der)
+            return
+        ops, _ = renew_ops(env.pki)
+        for _ in range(n):
+            for _name, fn in ops:
+                fn()
 
 
 def print_latency(res: LatencyResult) -> None:
@@ -764,12 +889,22 @@ def main(argv: list[str] | None = None) -> int:
         "--rounds", type=int, default=MAX_ROUNDS, help=f"renewals per node (1-{MAX_ROUNDS})"
     )
     parser.add_argument("--concurrency", type=int, default=8, help="concurrent renewal clients")
-    parser.add_argument("--store", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--store", choices=("sqlite", "postgres", "both", "none"), default="both")
     parser.add_argument(
         "--trials", type=int, default=100, help="revocation trials, 0 to skip (default 100)"
     )
     parser.add_argument("--batch", type=int, default=10, help="revocation trials at a time")
+    parser.add_argument(
+        "--profile", action="store_true", help="cProfile RenewService.renew in process"
+    )
+    parser.add_argument(
+        "--instructions", action="store_true", help="count instructions under callgrind"
+    )
+    parser.add_argument("--callgrind", nargs=2, metavar=("WHAT", "N"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.callgrind:
+        callgrind_loop(args.callgrind[0], int(args.callgrind[1]))
+        return 0
     if not 1 <= args.nodes <= 2000:
         parser.error("--nodes must be from 1 to 2000")
     if not 1 <= args.rounds <= MAX_ROUNDS:
@@ -779,7 +914,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     if args.concurrency < 1 or args.batch < 1 or args.trials < 0:
         parser.error("--concurrency and --batch must be at least 1, --trials at least 0")
-    kinds = ["sqlite", "postgres"] if args.store == "both" else [args.store]
+    kinds = {"both": ["sqlite", "postgres"], "none": []}.get(args.store, [args.store])
 
     print_environment()
     results: list[StoreResult] = []
@@ -793,6 +928,9 @@ def main(argv: list[str] | None = None) -> int:
         assert loaded.trust_domain == TRUST_DOMAIN
         floor = renew_floor(loaded)
         print_floor(floor)
+        (tmp / "inprocess").mkdir()
+        ms, shares = inprocess_renewals(tmp / "inprocess", args.nodes, args.profile)
+        print_inprocess(ms, floor, shares)
         for kind in kinds:
             res = run_store(kind, args.nodes, args.rounds, args.concurrency, tmp, template)
             print_store(res)
@@ -801,9 +939,16 @@ def main(argv: list[str] | None = None) -> int:
             results.append(res)
         if args.trials:
             latency = run_latency(args.trials, args.batch, tmp, template)
-    print_table(results, floor, args.concurrency)
+    if results:
+        print_table(results, floor, args.concurrency)
     if latency is not None:
         print_latency(latency)
+    if args.instructions:
+        script = str(Path(__file__).resolve())
+        print_instructions(
+            instructions_per_op(script, "renew", CALLGRIND_SMALL, CALLGRIND_LARGE),
+            instructions_per_op(script, "floor", CALLGRIND_SMALL, CALLGRIND_LARGE),
+        )
     return 0
 
 

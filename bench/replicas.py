@@ -91,7 +91,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,7 +106,8 @@ from bcd import __version__, pki, wire  # noqa: E402
 from bcd.errors import BcdError  # noqa: E402
 from bcd.gatewayclient import GatewayClient  # noqa: E402
 from bcd.identity import LoadedState  # noqa: E402
-from bcd.join import identity_of, verify_joined  # noqa: E402
+from bcd.issued import issued_identity  # noqa: E402
+from bcd.join import verify_joined  # noqa: E402
 from bcd.keys.file import key_to_pem  # noqa: E402
 from bcd.transport import pinned_transport  # noqa: E402
 from bench.common import (  # noqa: E402
@@ -166,13 +167,21 @@ class Roles:
 
 
 @contextlib.contextmanager
-def bench_fleet(root: Path, template: Path, gateways: int) -> Iterator[Roles]:
-    """``tests.fleet.fleet`` with an application_name per process (one API replica)."""
+def bench_fleet(
+    root: Path,
+    template: Path,
+    gateways: int,
+    *,
+    api_extra: Sequence[str] = (),
+    gateway_extra: Sequence[str] = (),
+) -> Iterator[Roles]:
+    """``tests.fleet.fleet`` with an application_name per process (one API replica);
+    ``api_extra`` and ``gateway_extra`` are more ``serve`` flags for those roles."""
     tag = f"bcdbench_{secrets.token_hex(4)}"
     apps = {"api": f"{tag}_api", **{f"gw{i + 1}": f"{tag}_gw{i + 1}" for i in range(gateways)}}
     with pg_schema() as schema:
         api_url = f"{pg_schema_url(schema)}&application_name={apps['api']}"
-        api = start_api(root / "api1", template, api_url)
+        api = start_api(root / "api1", template, api_url, api_extra)
         f: Fleet | None = None
         try:
             bundle = issue_bundle(api.home, root / "gateway-bundle")
@@ -183,6 +192,7 @@ def bench_fleet(root: Path, template: Path, gateways: int) -> Iterator[Roles]:
                     name,
                     [relay_url(api)],
                     db_url=f"{f.gateway_db_url}&application_name={apps[name]}",
+                    extra=gateway_extra,
                 )
             pids = {
                 "api": api.proc.pid,
@@ -287,9 +297,9 @@ def members_of(
             key=prepared.key.public_key(),
             role="node",
         )
-        if body.get("kind") != "joined" or body.get("site_id") != site:
+        if not isinstance(body, wire.Issued) or body.kind != "joined" or body.site_id != site:
             continue
-        identity = identity_of(body)
+        identity = issued_identity(body, "file")
         leaf = identity.leaf()
         state = LoadedState(Path("."), identity, prepared.key, leaf, pki.leaf_info(leaf))
         members.append(Member(state, key_to_pem(prepared.key), identity.chain))

@@ -223,6 +223,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="on SIGTERM, how long calls in flight may take to finish (default 30)",
     )
     p.add_argument(
+        "--session-ping-seconds",
+        type=float,
+        default=15.0,
+        help="seconds between the pings of an idle node session (default 15; shorter for "
+        "benchmarks and tests; a node gives up on a session after 50 s without a byte)",
+    )
+    p.add_argument(
         "--metrics-listen",
         metavar="HOST:PORT",
         help="serve Prometheus metrics at http://HOST:PORT/metrics (plain HTTP; default off)",

@@ -164,6 +164,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         gateway_dir=Path(args.gateway_dir) if args.gateway_dir else None,
         api_upstreams=args.api_upstream or (),
         drain_s=args.drain_seconds,
+        session_ping_s=args.session_ping_seconds,
         metrics_listen=args.metrics_listen,
         log_level=args.log_level,
         log_format=args.log_format,

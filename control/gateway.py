@@ -30,7 +30,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
 import ipaddress
+import itertools
 import json
 import logging
 import secrets
@@ -52,11 +54,15 @@ from control.store import Row, Store, Tx
 log = logging.getLogger("control.gateway")
 
 PING_INTERVAL_S = 15.0
+PING_SLOTS = 15
+"""The pinger's steps per ping interval: each step pings the sessions of one slot."""
 # A node holds one session; two overlap while it moves to a renewed certificate.
 MAX_SESSIONS_PER_NODE = 2
 REVOCATION_POLL_S = 1.0
 T = TypeVar("T")
 _DRAIN: dict[str, Any] = {"type": "drain"}  # never sent: ends the stream
+_PING: dict[str, Any] = {"type": "ping"}  # sent as _PING_LINE, encoded once
+_PING_LINE = b'{"type":"ping"}\n'
 _UPSTREAM_PATHS = frozenset({"/v1/join", "/v1/renew", discovery.VOUCH_PATH})
 _LIMIT_OF_PATH = {  # what a RESOURCE_EXHAUSTED of each call ran into
     "/v1/join": "join-requests-pending",
@@ -65,7 +71,7 @@ _LIMIT_OF_PATH = {  # what a RESOURCE_EXHAUSTED of each call ran into
 }
 
 
-@dataclass
+@dataclass(eq=False)
 class _Session:
     node_id: str
     serial: str
@@ -76,6 +82,11 @@ class _Session:
     replaced: bool = False
     daemon_version: str = ""
     """The Hello's, bounded and printable (``""``: none), reported upstream."""
+    slot: int = 0
+    """Which of the pinger's PING_SLOTS slots pings this session."""
+    ping_queued: bool = False
+    expired: bool = False
+    closed: bool = False
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -246,8 +257,16 @@ class Gateway:
     reports: Handler | None = None
     """Where session sightings go (:mod:`control.sessionreport`); None: ``upstream``."""
     reporter: SessionReporter = field(init=False)
+    _slots: list[set[_Session]] = field(init=False)
+    _slot_next: int = field(default=0, init=False)
+    _ends: list[tuple[float, int, _Session]] = field(default_factory=list, init=False)
+    """A heap of (certificate end, tie-break, session): the pinger ends each session then."""
+    _ends_closed: int = field(default=0, init=False)
+    """How many sessions in ``_ends`` are closed (compacted when they are half)."""
+    _ends_seq: Any = field(default_factory=itertools.count, init=False)
 
     def __post_init__(self) -> None:
+        self._slots = [set() for _ in range(PING_SLOTS)]
         self.reporter = SessionReporter(
             self.reports or self.upstream, self._live_sightings, self.metrics
         )
@@ -331,6 +350,12 @@ class Gateway:
         version = nodefacts.printable_version(hello.daemon_version)
         session = _Session(node_id, serial, send, max(0.0, remaining_ms / 1000),
                            daemon_version=version)  # fmt: skip
+        # the slot pinged last: its next ping is a whole interval away
+        session.slot = (self._slot_next - 1) % PING_SLOTS
+        self._slots[session.slot].add(session)
+        heapq.heappush(
+            self._ends, (trio.current_time() + session.ends_in_s, next(self._ends_seq), session)
+        )
         self._replace_older(session)
         self.sessions.setdefault(serial, []).append(session)
         self.by_node.setdefault(node_id, []).append(session)
@@ -360,21 +385,34 @@ class Gateway:
         session_id: str,
         receive: trio.MemoryReceiveChannel[dict[str, Any]],
     ) -> AsyncIterator[bytes]:
-        deadline = trio.current_time() + session.ends_in_s
+        # No cancel scope here: the pinger (:meth:`pinger`) sends the pings and ends the
+        # session at its certificate's end, so an idle session costs no timer of its own.
         try:
             yield _line({"type": "welcome", "session_id": session_id})
-            while trio.current_time() < deadline and not self.draining and not session.replaced:
-                with trio.move_on_at(min(deadline, trio.current_time() + self.ping_interval_s)):
-                    notice = await receive.receive()
-                    if notice is _DRAIN:
-                        return  # a clean end of stream: the node redials
-                    yield _line(notice)
-                    if notice.get("type") == "revocation":
+            if session.ends_in_s <= 0:
+                return
+            while not (self.draining or session.replaced or session.expired):
+                notice = await receive.receive()
+                if notice is _PING:
+                    session.ping_queued = False
+                    if self.draining:
                         return
+                    yield _PING_LINE
                     continue
-                if trio.current_time() < deadline and not self.draining:
-                    yield _line({"type": "ping"})
+                if notice is _DRAIN:
+                    return  # a clean end of stream: the node redials
+                yield _line(notice)
+                if notice.get("type") == "revocation":
+                    return
         finally:
+            session.closed = True
+            self._slots[session.slot].discard(session)
+            if not session.expired:  # still in the heap, until its end or a compaction
+                self._ends_closed += 1
+            if self._ends_closed > len(self._ends) // 2 + 1024:  # keep the heap to the live
+                self._ends = [e for e in self._ends if not e[2].closed]
+                heapq.heapify(self._ends)
+                self._ends_closed = 0
             for index, key in ((self.sessions, session.serial), (self.by_node, session.node_id)):
                 peers = index.get(key, [])
                 if session in peers:
@@ -387,6 +425,36 @@ class Gateway:
                 extra={"event": "session.closed", "session_id": session_id,
                        "node_id": session.node_id, "serial": session.serial},
             )  # fmt: skip
+
+    async def pinger(self) -> None:
+        """Ping every session once per ``ping_interval_s``, one slot of them per step, and
+        end each session when its certificate ends: one ticker for all the sessions."""
+        step = self.ping_interval_s / PING_SLOTS
+        next_at = trio.current_time()
+        while True:
+            next_at = max(next_at + step, trio.current_time())  # behind: no burst
+            await trio.sleep_until(next_at)
+            now = trio.current_time()
+            while self._ends and self._ends[0][0] <= now:
+                session = heapq.heappop(self._ends)[2]
+                if session.closed:
+                    self._ends_closed -= 1
+                else:
+                    session.expired = True  # out of the heap
+                    self._tell(session, _DRAIN)
+            for session in self._slots[self._slot_next]:
+                if not (session.ping_queued or self.draining):
+                    session.ping_queued = self._tell(session, _PING)
+            self._slot_next = (self._slot_next + 1) % PING_SLOTS
+
+    @staticmethod
+    def _tell(session: _Session, what: dict[str, Any]) -> bool:
+        """Queue ``what`` on a session's stream; False when it is full or gone."""
+        try:
+            session.send.send_nowait(what)
+        except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
 
     async def _start_time(self, interval_s: float) -> int:
         """The database's time now, waiting for a database that is down at start."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import math
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -375,7 +376,9 @@ async def _serve_http(
                 )  # fmt: skip
             if life.draining.is_set():
                 response.headers.append(("connection", "close"))
-            await _respond(stream, conn, got.method, response)
+            method = got.method
+            got = None  # a session's stream lasts hours: not its request's headers and body
+            await _respond(stream, conn, method, response)
         finally:
             life.busy -= 1
         if conn.our_state is not h11.DONE or conn.their_state is not h11.DONE:
@@ -505,11 +508,18 @@ async def _stream_body(
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(watch_peer, nursery.cancel_scope)
+        # one scope for every write (WRITE_TIMEOUT each), not one per chunk: an idle
+        # session's pings are most of what it sends
+        writing = trio.CancelScope()
         try:
-            async for chunk in chunks:
-                if chunk:
-                    await _write(stream, _send(conn, h11.Data(data=chunk)))
-            await _write(stream, _send(conn, h11.EndOfMessage()))
+            with writing:
+                async for chunk in chunks:
+                    if chunk:
+                        writing.deadline = trio.current_time() + WRITE_TIMEOUT
+                        await stream.send_all(_send(conn, h11.Data(data=chunk)))
+                        writing.deadline = math.inf
+                writing.deadline = trio.current_time() + WRITE_TIMEOUT
+                await stream.send_all(_send(conn, h11.EndOfMessage()))
         except (*_GONE, OSError):
             pass  # the client went away or stopped reading
         except Exception:

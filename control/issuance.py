@@ -23,6 +23,7 @@ from bcd import pki, wire
 from control import admission, events, repos, tenancy
 from control.admission import CERT_TTL_MAX_S
 from control.errors import Refused
+from control.pkiseal import SealOpener
 from control.store import Store, Tx
 
 log = logging.getLogger("control.joinservice")
@@ -54,6 +55,11 @@ class JoinCrypto:
     def decryption_jwk(self) -> Any:
         return wire.decryption_jwk(self.encryption_key)
 
+    @functools.cached_property
+    def seal_opener(self) -> SealOpener:
+        """Opens sealed tokens on ``cryptography`` alone (:mod:`control.pkiseal`)."""
+        return SealOpener(self.encryption_key, self.encryption_pin)
+
 
 def leaf_ttl_s(crypto: JoinCrypto, role: str, cap_s: int | None = None) -> int:
     return admission.lifetime_s(crypto.cert_ttl_s, role, cap_s)
@@ -74,7 +80,16 @@ def issue_recorded_leaf(
     now = datetime.fromtimestamp(tx.now_ms() / 1000, UTC)
     ttl = leaf_ttl_s(crypto, role, max_lifetime_s)
     leaf = crypto.issue_leaf(public_key, spiffe, role, tuple(statements), now, ttl)
-    info = pki.leaf_info(leaf)
+    # What the leaf carries is what was just put in it: not parsed back out of it.
+    info = pki.LeafInfo(
+        spiffe=spiffe,
+        role=role,
+        statements=tuple(statements),
+        not_before=leaf.not_valid_before_utc,
+        not_after=leaf.not_valid_after_utc,
+        serial_hex=format(leaf.serial_number, "x"),
+        spki_sha256=pki.sha256_hex(pki.spki_der(public_key)),
+    )
     der = leaf.public_bytes(serialization.Encoding.DER)
     repos.record_leaf(tx, info, der, spiffe.node_id, generation, role, allowed_kinds)
     return leaf, info

@@ -30,6 +30,7 @@ stored one, so the row lock on the node is held briefly.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,12 @@ class _Attempt:
     pop_ok: bool  # pop_sig verifies under the presented leaf's key and node id
     csr: x509.CertificateSigningRequest | None
     peer_der: bytes | None
+
+    @functools.cached_property
+    def csr_key(self) -> ec.EllipticCurvePublicKey:
+        """The CSR's key, taken out once (each ``public_key()`` call builds it anew)."""
+        assert self.csr is not None
+        return pki.csr_public_key(self.csr)
 
 
 class RenewService:
@@ -144,9 +151,13 @@ class RenewService:
         # Lock the node, then read its certificates again: a revocation, reclaim or
         # deletion (which lock the node first) is either wholly before or after us.
         node = repos.lock_node(tx, node_id)
-        leaf = repos.cert_facts(repos.cert_by_serial(tx, serial))
+        leaf_row = repos.cert_by_serial(tx, serial)
+        leaf = repos.cert_facts(leaf_row)
         assert leaf is not None  # node_certs rows are never deleted
-        peer = repos.cert_facts(repos.cert_row(tx, attempt.peer_der))
+        # The TLS client certificate is most often the presented leaf itself: its row
+        # is the one just read (a row's DER never changes), not a lookup again.
+        same = attempt.peer_der is not None and attempt.peer_der == attempt.leaf_der
+        peer = repos.cert_facts(leaf_row if same else repos.cert_row(tx, attempt.peer_der))
         refusal = admission.judge_renew_leaf(leaf, node, peer, request.client_time_ms, now_ms)
         if refusal is not None:
             raise refuse(refusal)
@@ -162,7 +173,7 @@ class RenewService:
             check_key_attestation(
                 request.key_attestation,
                 info.statements,
-                pki.csr_public_key(attempt.csr),
+                attempt.csr_key,
                 request.csr_der,
             )
         except AttestationRefused as exc:
@@ -182,7 +193,7 @@ class RenewService:
         cert, new = issue_recorded_leaf(
             tx,
             crypto,
-            pki.csr_public_key(attempt.csr),
+            attempt.csr_key,
             spiffe,
             role,
             info.statements,

@@ -24,7 +24,7 @@ from bcd.systemd import LEVELS, configure_logging, notify, under_journald
 from control import gatewaypki, pki, relay, retention, revocations
 from control.api import App
 from control.errors import ControlError, StoreUnavailable
-from control.gateway import Gateway, NodeCalls
+from control.gateway import PING_INTERVAL_S, Gateway, NodeCalls
 from control.http import Handler, Lifecycle, Limits, Response, health_response, serve
 from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService, notice_signer
 from control.metrics import Metrics
@@ -162,6 +162,7 @@ def main(
     gateway_dir: Path | None = None,
     api_upstreams: Sequence[str] = (),
     drain_s: float = DRAIN_S,
+    session_ping_s: float = PING_INTERVAL_S,
     metrics_listen: str | None = None,
     log_level: str = "info",
     log_format: str = "text",
@@ -173,6 +174,8 @@ def main(
         log.warning("open-file limit %d is below the connection limits' sum", files)
     if role not in ROLES:
         raise ControlError("INVALID_ARGUMENT", f"--role must be one of {', '.join(ROLES)}")
+    if not 0.05 <= session_ping_s <= 45:  # a node drops a session after 50 s of silence
+        raise ControlError("INVALID_ARGUMENT", "--session-ping-seconds must be from 0.05 to 45")
     metrics = Metrics()
     if role == "gateway":
         if gateway_dir is None:
@@ -202,6 +205,8 @@ def main(
             relay_san=relay_san or gateway_san,
             metrics=metrics,
         )
+    if parts.gateway is not None:
+        parts.gateway.ping_interval_s = session_ping_s
     if role == "all" and not gateway_url:
         parts.gateway_url_host = default_gateway_host(gateway_listen, gateway_san)
     if role != "gateway" and not gateway_url and parts.gateway_url_host is None:
@@ -505,6 +510,7 @@ async def _serve_until_signal(
                 nursery.start_soon(retention.pruner, parts.store, parts.limiter)
             if parts.gateway is not None:
                 nursery.start_soon(parts.gateway.revocation_poller)
+                nursery.start_soon(parts.gateway.pinger)
                 nursery.start_soon(parts.gateway.reporter.run)
                 if parts.listen_url is not None:
                     nursery.start_soon(revocations.listen, parts.listen_url, parts.gateway.poke)

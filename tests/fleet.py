@@ -184,11 +184,13 @@ class Fleet:
         *,
         db_url: str | None = None,
         env: dict[str, str] | None = None,
+        extra: Sequence[str] = (),
     ) -> Gateway:
         ups = list(upstreams) if upstreams is not None else [relay_url(a) for a in self.apis]
         gw = start_gateway(
-            self.root / name, self.bundle, db_url or self.gateway_db_url, ups, env=env
-        )
+            self.root / name, self.bundle, db_url or self.gateway_db_url, ups, env=env,
+            extra=extra,
+        )  # fmt: skip
         self.gateways.append(gw)
         return gw
 

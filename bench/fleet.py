@@ -1,0 +1,1239 @@
+"""The fleet simulator: N nodes, each a real bcd identity held in memory, against a real
+control plane (an API replica and gateways as processes, on PostgreSQL).
+
+Run from the repository root::
+
+    .venv/bin/python bench/fleet.py --nodes N [--procs P] [--gateways G]
+        [--concurrency C] [--ping-seconds S] [--steady-pings K] [--cert-ttl S]
+        [--revocations R] [--out DIR]
+
+It prints figures and judges nothing (every phase prints its error count, which should
+be 0); ``tests/test_fleet_sim.py`` runs it small and checks only that outcome.
+
+**The control plane.** ``bench.replicas.bench_fleet``: one API replica (``serve --role
+api --relay-listen``) and G gateways (``serve --role gateway``), each with its own
+PostgreSQL ``application_name`` so the CPU of its backends reads apart, on a fresh
+schema dropped afterwards. Certificates are short (``--cert-ttl-seconds``, default
+1800 s) and the gateways ping every ``--session-ping-seconds`` (default 2 s, instead
+of 15) so a run sees several pings.
+
+**The nodes.** P simulator processes (this file with ``--worker``), each holding N/P
+nodes. A node is a real bcd identity: its own P-256 key and certificate from a real
+join, in a :class:`bcd.identitystore.MemoryStore`, loaded with
+:func:`bcd.identity.load_from`. It talks through bcd's own code only: the join is
+:func:`bcd.join.gateway_sender` and :func:`bcd.join.verify_joined`; the session is
+:func:`bcd.session.session_task` (its own reconnect backoff, 1 s doubling to 60 s with
+jitter, and its check of the signed revocation notice); the renewal is
+:func:`bcd.renew.renew_once` over :func:`bcd.renew.gateway_renew_sender` (the store
+written as bcd writes it). All over :mod:`bcd.transport` and real TLS.
+
+Two seams of trio stand in for the network: the k-th node of a simulator process has
+``gateway_url`` ``https://gw<k mod G>.fleet`` and a hostname resolver maps that name to its gateway
+while it lives, and to the other gateways (round robin) once it is dead: a load
+balancer's health check. A socket factory binds each node's connections to its own
+loopback address (127.100.0.1 on), as each machine of a fleet has its own address: the
+gateway admits at most 1,024 connections per source address.
+
+**The phases**, each timed, each with its error count:
+
+1. *join storm*: N joins, C at a time per simulator process, on P*C join tokens (a
+   token's row is locked for the whole of its join) with ``maxUses``, over the pools
+   of ``--sites`` sites;
+2. *sessions*: every node opens its session (C opening at a time per process), then all
+   are held ``--steady-pings`` ping intervals: the gateways' RSS growth over the
+   sessions and their CPU per session-second;
+3. *renewal wave*: every node renews once (C at a time per process), its session staying
+   up on the old certificate;
+4. *revocations*: R random nodes (default min(200, N/10)) revoked through the API replica
+   (4 calls at a time); latency from the call to the moment the node's session task
+   raised ``CertificateRevoked`` (the signed revocation line); no other session may drop;
+5. *gateway restart*: ``kill -9`` of gw1; its nodes redial with bcd's backoff, through
+   the others; the time until every live node holds a session again and the reconnect
+   rate over time.
+
+CPU: utime + stime from ``/proc`` of the API replica, each gateway and their PostgreSQL
+backends, over each phase; PostgreSQL transactions are ``pg_stat_database``'s
+``xact_commit`` delta of the database (other users of the database count too). The
+figures go to ``DIR/fleet-N.json`` and the plot to ``DIR/fleet-N.png`` (``--out``,
+default ``bench/out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import contextvars
+import itertools
+import json
+import math
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+import trio  # noqa: E402
+
+from bcd import wire  # noqa: E402
+from bcd.config import Config  # noqa: E402
+from bcd.errors import BcdError, CertificateRevoked, TransportError  # noqa: E402
+from bcd.identity import AnyState, MemoryStore, load_from  # noqa: E402
+from bcd.identitydoc import IDENTITY_FILE, NODE_KEY_FILE  # noqa: E402
+from bcd.issued import issued_identity  # noqa: E402
+from bcd.join import gateway_sender, verify_joined  # noqa: E402
+from bcd.keys.file import key_to_pem  # noqa: E402
+from bcd.renew import gateway_renew_sender, renew_once  # noqa: E402
+from bcd.servingca import serving_ca  # noqa: E402
+from bcd.session import SessionInfo, session_task  # noqa: E402
+from bench.common import (  # noqa: E402
+    PG_URL,
+    SERVER_NAME,
+    build_bodies,
+    pg_backends_cpu_s,
+    print_environment,
+    proc_cpu_s,
+)
+from bench.replicas import Meter, Roles, Spent, bench_fleet, pct  # noqa: E402
+
+DEFAULT_OUT = ROOT / "bench" / "out"
+TICK_S = 0.25
+RENEW_TRIES = 3
+SAMPLE_S = 0.5
+FILE_LIMIT = 20_000
+GATEWAY_SESSIONS_MAX = 16_000  # control.server.LIMITS["gateway"].max_connections
+PHASES = ("join", "sessions", "steady", "renewal", "revocation", "restart")
+
+
+# --- the simulator process ------------------------------------------------------------
+
+SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("source", default=None)
+
+
+def source_address(i: int) -> str:
+    """Node ``i``'s own loopback address: 127.100.0.1, 127.100.0.2, …"""
+    n = i + 1
+    return f"127.{100 + (n >> 16)}.{(n >> 8) & 255}.{n & 255}"
+
+
+class SourceSockets(trio.abc.SocketFactory):
+    """Sockets bound to the calling node's address (the ``SOURCE`` context variable)."""
+
+    def socket(
+        self,
+        family: socket.AddressFamily | int = socket.AF_INET,
+        type: socket.SocketKind | int = socket.SOCK_STREAM,
+        proto: int = 0,
+    ) -> trio.socket.SocketType:
+        sock = socket.socket(family, type, proto)
+        src = SOURCE.get()
+        if src is not None and family == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_IP, 24, 1)  # IP_BIND_ADDRESS_NO_PORT
+            sock.bind((src, 0))
+        return trio.socket.from_stdlib_socket(sock)
+
+
+class Balancer(trio.abc.HostnameResolver):
+    """``gw<k>.fleet`` is gateway k while it lives, else the live ones in turn."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+        self.dead: set[int] = set()
+        self._turn = 0
+
+    async def getaddrinfo(
+        self,
+        host: bytes | None,
+        port: bytes | str | int | None,
+        family: int = 0,
+        type: int = 0,
+        proto: int = 0,
+        flags: int = 0,
+    ) -> list[tuple[Any, ...]]:
+        name = host.decode() if isinstance(host, bytes) else str(host)
+        if not (name.startswith("gw") and name.endswith(".fleet")):
+            raise socket.gaierror(socket.EAI_NONAME, f"unknown host {name}")
+        k = int(name[2:].split(".", 1)[0])
+        if k in self.dead:
+            live = [g for g in range(len(self.ports)) if g not in self.dead]
+            self._turn += 1
+            k = live[self._turn % len(live)]
+        addr = ("127.0.0.1", self.ports[k])
+        return [(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP, "", addr)]
+
+    async def getnameinfo(self, sockaddr: tuple[Any, ...], flags: int) -> tuple[str, str]:
+        raise NotImplementedError
+
+
+@dataclass(slots=True)
+class SimNode:
+    i: int  # in the fleet
+    k: int  # in this simulator process
+    cfg: Config
+    source: str
+    state: AnyState | None = None
+    node_id: str = ""
+    up: bool = False
+    revoked: bool = False
+
+
+@dataclass
+class Counters:
+    joined: int = 0
+    renewed: int = 0
+    up: int = 0
+    welcomes: int = 0
+    losses: int = 0
+    revoked: int = 0
+    errors: dict[str, int] = field(default_factory=dict)
+
+    def error(self, phase: str, what: str) -> None:
+        key = f"{phase}: {what[:160]}"
+        self.errors[key] = self.errors.get(key, 0) + 1
+
+
+def emit(doc: dict[str, Any]) -> None:
+    sys.stdout.write(json.dumps(doc) + "\n")
+    sys.stdout.flush()
+
+
+class Simulator:
+    def __init__(self, spec: dict[str, Any]) -> None:
+        self.spec = spec
+        self.balancer = Balancer(spec["ports"])
+        self.c = Counters()
+        home = Path(spec["home"])
+        gateways = len(spec["ports"])
+        self.cfgs = []
+        for k in range(gateways):
+            (home / f"gw{k}").mkdir(parents=True, exist_ok=True)
+            self.cfgs.append(
+                Config(
+                    path=home / f"gw{k}" / "config.toml",
+                    gateway_url=f"https://gw{k}.fleet",
+                    site=spec["site"],
+                    serving_ca_spki_pin=spec["pins"]["serving_ca_spki_pin"],
+                    join_signing_key_pin=spec["pins"]["join_signing_key_pin"],
+                    join_encryption_key_pin=spec["pins"]["join_encryption_key_pin"],
+                    server_name=SERVER_NAME,
+                    data_dir=home,
+                )
+            )
+        self.nodes = [
+            SimNode(i, k, self.cfgs[k % gateways], source_address(i))
+            for k, i in enumerate(spec["indexes"])
+        ]
+        self.signing_pin = spec["pins"]["join_signing_key_pin"]
+        self.concurrency = int(spec["concurrency"])
+
+    def counts(self) -> dict[str, Any]:
+        c = self.c
+        return {
+            "joined": c.joined, "renewed": c.renewed, "up": c.up, "welcomes": c.welcomes,
+            "losses": c.losses, "revoked": c.revoked,
+        }  # fmt: skip
+
+    async def ticker(self) -> None:
+        while True:
+            emit({"ev": "tick", "t": time.monotonic(), **self.counts()})
+            await trio.sleep(TICK_S)
+
+    async def each(self, work: Callable[[SimNode], Any]) -> None:
+        """``work`` on every node, ``concurrency`` at a time, each in its node's address."""
+        nodes = iter(self.nodes)
+
+        async def worker() -> None:
+            for node in nodes:
+                SOURCE.set(node.source)
+                await work(node)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.concurrency):
+                nursery.start_soon(worker)
+
+    async def join(self, tokens: list[str], encryption_jwk: dict[str, Any]) -> None:
+        key = wire.public_key_of_jwk(encryption_jwk)
+
+        async def one(node: SimNode) -> None:
+            token = tokens[node.k % len(tokens)]
+            try:
+                prepared = build_bodies(1, token, key, 1_000_000 + node.i)[0]
+                signed = await gateway_sender(node.cfg)(prepared.body)
+                body = verify_joined(
+                    signed,
+                    signing_pin=self.signing_pin,
+                    csr_der=prepared.csr_der,
+                    key=prepared.key.public_key(),
+                    role="node",
+                )
+                if not isinstance(body, wire.Issued) or body.kind != "joined":
+                    self.c.error("join", f"the answer is {type(body).__name__}, not joined")
+                    return
+                identity = issued_identity(body, "file")
+                store = MemoryStore(
+                    f"node{node.i}",
+                    {IDENTITY_FILE: identity.to_json(), NODE_KEY_FILE: key_to_pem(prepared.key)},
+                )
+                node.state = load_from(store)
+                node.node_id = identity.node_id
+                self.c.joined += 1
+            except BcdError as exc:
+                self.c.error("join", f"{type(exc).__name__}: {exc}")
+
+        await self.each(one)
+
+    async def hold(self, node: SimNode, opening: trio.Semaphore) -> None:
+        """Node's session, as bcd node keeps it; note welcomes, losses, the revocation."""
+        SOURCE.set(node.source)
+        await opening.acquire()
+        released = False
+
+        async def watch(up: bool) -> None:
+            nonlocal released
+            if not released:
+                released = True
+                opening.release()
+            if up and not node.up:
+                node.up = True
+                self.c.up += 1
+                self.c.welcomes += 1
+            elif not up and node.up:
+                node.up = False
+                self.c.up -= 1
+                self.c.losses += 1
+
+        def current() -> AnyState:
+            assert node.state is not None
+            return node.state
+
+        info = SessionInfo(str(uuid.uuid4()), str(uuid.uuid4()))
+        try:
+            await session_task(node.cfg, current, info, on_session=watch)
+        except CertificateRevoked:
+            emit({"ev": "revoked", "node": node.node_id, "t": time.monotonic()})
+            node.revoked = True
+            self.c.revoked += 1
+        except BcdError as exc:
+            self.c.error("session", f"{type(exc).__name__}: {exc}")
+        finally:
+            if node.up:
+                node.up = False
+                self.c.up -= 1
+            if not released:
+                opening.release()
+
+    async def renew(self) -> None:
+        async def one(node: SimNode) -> None:
+            state = node.state
+            if state is None or node.revoked:
+                return
+            # renewal_task retries a failed renewal (after 30 s, doubling); the wave
+            # retries a broken connection up to RENEW_TRIES times after 2 s, 4 s, and
+            # reports how many it retried apart from the errors
+            for attempt in range(1, RENEW_TRIES + 1):
+                try:
+                    node.state = await renew_once(
+                        state,
+                        gateway_renew_sender(node.cfg, state),
+                        signing_pin=self.signing_pin,
+                        wall=time.time,
+                    )
+                    self.c.renewed += 1
+                    return
+                except TransportError as exc:
+                    if attempt == RENEW_TRIES:
+                        self.c.error("renewal", f"{type(exc).__name__}: {exc}")
+                        return
+                    self.c.error("retried renewal", f"{type(exc).__name__}: {exc}")
+                    await trio.sleep(2.0 * attempt)
+                except BcdError as exc:
+                    self.c.error("renewal", f"{type(exc).__name__}: {exc}")
+                    return
+
+        await self.each(one)
+
+    async def run(self) -> None:
+        trio.socket.set_custom_hostname_resolver(self.balancer)
+        trio.socket.set_custom_socket_factory(SourceSockets())
+        for cfg in self.cfgs:  # the serving CA, probed once and kept beside the config
+            await serving_ca(cfg)
+        stdin = trio.lowlevel.FdStream(os.dup(0))
+        buf = b""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.ticker)
+            emit({"ev": "ready"})
+            while True:
+                while b"\n" not in buf:
+                    chunk = await stdin.receive_some(65536)
+                    if not chunk:
+                        nursery.cancel_scope.cancel()
+                        return
+                    buf += chunk
+                line, buf = buf.split(b"\n", 1)
+                cmd = json.loads(line)
+                what = cmd["cmd"]
+                if what == "join":
+                    await self.join(cmd["tokens"], cmd["encryption_jwk"])
+                    nodes = [[n.i, n.node_id] for n in self.nodes if n.node_id]
+                    emit({"ev": "done", "cmd": what, "nodes": nodes, "errors": self.c.errors})
+                elif what == "sessions":
+                    opening = trio.Semaphore(self.concurrency)
+                    for node in self.nodes:
+                        if node.state is not None:
+                            nursery.start_soon(self.hold, node, opening)
+                    emit({"ev": "done", "cmd": what})
+                elif what == "renew":
+                    await self.renew()
+                    emit({"ev": "done", "cmd": what, "errors": self.c.errors})
+                elif what == "dead":
+                    self.balancer.dead.add(int(cmd["gateway"]))
+                    emit({"ev": "done", "cmd": what})
+                elif what == "stop":
+                    emit({"ev": "done", "cmd": what, "errors": self.c.errors})
+                    nursery.cancel_scope.cancel()
+                    return
+
+
+def worker_main() -> int:
+    import logging
+
+    # bcd's own warnings, 10,000 times over: only with BCD_FLEET_LOG=INFO (or WARNING)
+    level = os.environ.get("BCD_FLEET_LOG", "CRITICAL")
+    logging.basicConfig(level=level, format="%(relativeCreated)d %(name)s %(message)s")
+    spec = json.loads(sys.stdin.readline())
+    trio.run(Simulator(spec).run)
+    return 0
+
+
+# --- the driver: workers, sampling, phases ---------------------------------------------
+
+
+class Worker:
+    """One simulator process: commands on its stdin, events read by a thread."""
+
+    def __init__(self, spec: dict[str, Any], log: Path) -> None:
+        self._log = log.open("wb")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            cwd=ROOT,
+        )
+        self.tick: dict[str, Any] = {}
+        self.revoked: dict[str, float] = {}
+        self._done: dict[str, dict[str, Any]] = {}
+        self._cv = threading.Condition()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._send(spec)
+        self.wait("ready", 120)
+
+    def _send(self, doc: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write((json.dumps(doc) + "\n").encode())
+        self.proc.stdin.flush()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            ev = json.loads(raw)
+            with self._cv:
+                if ev["ev"] == "tick":
+                    self.tick = ev
+                elif ev["ev"] == "revoked":
+                    self.revoked[ev["node"]] = ev["t"]
+                elif ev["ev"] in ("done", "ready"):
+                    self._done[ev.get("cmd", "ready")] = ev
+                self._cv.notify_all()
+        with self._cv:
+            self._done["exit"] = {}
+            self._cv.notify_all()
+
+    def command(self, cmd: str, **fields: Any) -> None:
+        with self._cv:
+            self._done.pop(cmd, None)
+        self._send({"cmd": cmd, **fields})
+
+    def wait(self, cmd: str, timeout: float) -> dict[str, Any]:
+        with self._cv:
+            if not self._cv.wait_for(
+                lambda: cmd in self._done or "exit" in self._done, timeout=timeout
+            ):
+                raise RuntimeError(f"simulator pid {self.proc.pid}: no answer to {cmd}")
+            if cmd not in self._done:
+                raise RuntimeError(f"simulator pid {self.proc.pid} exited (see its log)")
+            return self._done.pop(cmd)
+
+    def count(self, key: str) -> int:
+        return int(self.tick.get(key, 0))
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.command("stop")
+            self.wait("stop", 30)
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+        self._log.close()
+
+
+def proc_cpu_or_none(pid: int) -> float | None:
+    try:
+        return proc_cpu_s(pid)
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+
+
+def rss_kb(pid: int) -> int:
+    with open(f"/proc/{pid}/status", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+def xact_commit() -> int:
+    with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
+        row = conn.execute(
+            "SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()"
+        ).fetchone()
+    return int(row[0]) if row else 0
+
+
+class Sampler:
+    """Every SAMPLE_S: CPU of each role (process + its backends), the workers' counters."""
+
+    def __init__(self, roles: Roles, workers: list[Worker]) -> None:
+        self.roles = roles
+        self.workers = workers
+        self.t0 = time.monotonic()
+        self.samples: list[dict[str, Any]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            with contextlib.suppress(Exception):
+                self.samples.append(self.sample())
+
+    def sample(self) -> dict[str, Any]:
+        cpu: dict[str, float] = {}
+        for k, pid in list(self.roles.pids.items()):
+            got = proc_cpu_or_none(pid)
+            if got is not None:
+                cpu[k] = got
+        pg = 0.0
+        for app in list(self.roles.apps.values()):
+            pg += sum((pg_backends_cpu_s(app) or {}).values())
+        sims = sum(proc_cpu_or_none(w.proc.pid) or 0.0 for w in self.workers)
+        counts = {
+            key: sum(w.count(key) for w in self.workers)
+            for key in ("joined", "renewed", "up", "welcomes", "losses", "revoked")
+        }
+        return {
+            "t": time.monotonic() - self.t0,
+            "cpu": cpu,
+            "pg": pg,
+            "simulators": sims,
+            **counts,
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+
+@dataclass
+class Phase:
+    name: str
+    start: float
+    end: float = 0.0
+    spent: Spent | None = None
+    xacts: int = 0
+    errors: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def wall_s(self) -> float:
+        return self.end - self.start
+
+    def control_cpu_s(self) -> float:
+        assert self.spent is not None
+        return sum(self.spent.procs.values()) + sum(
+            v for v in self.spent.pg.values() if v is not None
+        )
+
+    def pg_cpu_s(self) -> float:
+        assert self.spent is not None
+        return sum(v for v in self.spent.pg.values() if v is not None)
+
+    def role_cpu(self) -> dict[str, float]:
+        assert self.spent is not None
+        out = dict(self.spent.procs)
+        for k, v in self.spent.pg.items():
+            out[f"{k}_pg"] = v or 0.0
+        return out
+
+
+PROFILED_PHASES = ("join", "steady", "renewal", "restart")
+PY_SPY = Path(sys.executable).parent / "py-spy"
+
+
+class Profiler:
+    """``py-spy record --nonblocking`` of the API replica, one gateway and one simulator
+    over a phase, in raw (collapsed-stack) form; :meth:`top` sums it by function."""
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.out = out
+        self.enabled = enabled and PY_SPY.exists()
+        self._running: list[tuple[subprocess.Popen[bytes], Path]] = []
+        self.files: dict[str, Path] = {}
+
+    def start(self, phase: str, pids: dict[str, int]) -> None:
+        if not self.enabled or phase not in PROFILED_PHASES:
+            return
+        for role, pid in pids.items():
+            path = self.out / f"profile-{phase}-{role}.txt"
+            cmd = [str(PY_SPY), "record", "--nonblocking", "--rate", "50", "-f", "raw",
+                   "-o", str(path), "--pid", str(pid)]  # fmt: skip
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            self._running.append((proc, path))
+            self.files[f"{phase}/{role}"] = path
+
+    def stop(self) -> None:
+        for proc, _path in self._running:
+            proc.send_signal(signal.SIGINT)
+        for proc, _path in self._running:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        self._running = []
+
+    def top(self, limit: int = 6) -> dict[str, dict[str, list[tuple[str, float]]]]:
+        """Per profile, as shares of its samples: ``self``, the functions running (the
+        leaf frame); ``ours``, the project's functions (bcd/, control/) including what
+        they call, entry points left out."""
+        out: dict[str, dict[str, list[tuple[str, float]]]] = {}
+        for name, path in self.files.items():
+            if not path.exists():
+                continue
+            leaf: dict[str, int] = {}
+            ours: dict[str, int] = {}
+            total = 0
+            for line in path.read_text(errors="replace").splitlines():
+                stack, _, count = line.rpartition(" ")
+                if not count.isdigit() or not stack:
+                    continue
+                n = int(count)
+                total += n
+                frames = [f"{f.split(' (', 1)[0]} {_module(f)}" for f in stack.split(";")]
+                leaf[frames[-1]] = leaf.get(frames[-1], 0) + n
+                for frame in set(frames):
+                    where = frame.rsplit(" ", 1)[-1]
+                    if where.startswith(OURS) and not frame.startswith(ENTRY):
+                        ours[frame] = ours.get(frame, 0) + n
+
+            def ranked(counts: dict[str, int], total: int = total) -> list[tuple[str, float]]:
+                best = sorted(counts.items(), key=lambda kv: -kv[1])[:limit]
+                return [(f, round(c / max(total, 1), 3)) for f, c in best]
+
+            out[name] = {"self": ranked(leaf), "ours": ranked(ours)}
+        return out
+
+
+OURS = ("bcd/", "control/", "store/", "keys/", "helper/")
+ENTRY = ("cmd_serve", "main ", "_run ", "_connection ", "_gated ", "serve ", "_one_session ",
+         "session_task ", "renew_once ", "_finish ", "post_as_node ", "handle ")  # fmt: skip
+
+
+def _module(frame: str) -> str:
+    """``(control/joinservice.py:123)`` of a py-spy frame, without the line number."""
+    inside = frame.partition(" (")[2].rstrip(")")
+    path = inside.rsplit(":", 1)[0]
+    parts = Path(path).parts
+    return "/".join(parts[-2:]) if parts else ""
+
+
+class Run:
+    def __init__(
+        self,
+        roles: Roles,
+        workers: list[Worker],
+        sampler: Sampler,
+        profiler: Profiler | None = None,
+    ) -> None:
+        self.roles = roles
+        self.workers = workers
+        self.sampler = sampler
+        self.phases: list[Phase] = []
+        self._meter: Meter | None = None
+        self._xact = 0
+        self.profiler = profiler or Profiler(Path("."), False)
+
+    def begin(self, name: str) -> Phase:
+        self._meter = Meter(self.roles)
+        self._xact = xact_commit()
+        self._meter.start()
+        targets = {"api": self.roles.pids["api"], "gw2": self.roles.pids["gw2"]}
+        self.profiler.start(name, {**targets, "sim0": self.workers[0].proc.pid})
+        phase = Phase(name, time.monotonic() - self.sampler.t0)
+        self.phases.append(phase)
+        print(f"\n[{name}] …", flush=True)
+        return phase
+
+    def end(self, phase: Phase, errors: int) -> Phase:
+        assert self._meter is not None
+        phase.spent = self._meter.stop()
+        phase.end = time.monotonic() - self.sampler.t0
+        self.profiler.stop()
+        phase.xacts = xact_commit() - self._xact
+        phase.errors = errors
+        print(
+            f"[{phase.name}] {phase.wall_s:.2f} s, errors {errors}, control-plane CPU "
+            f"{phase.control_cpu_s():.2f} s ({phase.pg_cpu_s():.2f} s PostgreSQL), "
+            f"{phase.xacts} PostgreSQL transactions",
+            flush=True,
+        )
+        return phase
+
+    def total(self, key: str) -> int:
+        return sum(w.count(key) for w in self.workers)
+
+    def wait_for(self, cond: Callable[[], bool], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return True
+            time.sleep(0.05)
+        return cond()
+
+    def broadcast(self, cmd: str, timeout: float, **fields: Any) -> list[dict[str, Any]]:
+        for w in self.workers:
+            w.command(cmd, **fields)
+        return self.collect(cmd, timeout)
+
+    def collect(self, cmd: str, timeout: float) -> list[dict[str, Any]]:
+        """Every worker's answer to ``cmd``; the counters printed every 15 s meanwhile."""
+        deadline = time.monotonic() + timeout
+        answers = []
+        for w in self.workers:
+            while True:
+                try:
+                    answers.append(w.wait(cmd, min(15.0, max(0.1, deadline - time.monotonic()))))
+                    break
+                except RuntimeError:
+                    if time.monotonic() >= deadline or w.proc.poll() is not None:
+                        raise
+                    keys = ("joined", "renewed", "up", "losses", "revoked")
+                    print("  … " + ", ".join(f"{k} {self.total(k)}" for k in keys), flush=True)
+        return answers
+
+
+def error_count(answers: list[dict[str, Any]], phase: str) -> int:
+    return sum(
+        n for a in answers for what, n in a.get("errors", {}).items() if what.startswith(phase)
+    )
+
+
+def error_texts(answers: list[dict[str, Any]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for a in answers:
+        for what, n in a.get("errors", {}).items():
+            out[what] = out.get(what, 0) + n
+    return out
+
+
+# --- the phases ---------------------------------------------------------------------
+
+
+def make_tokens(roles: Roles, n: int, count: int, sites: int) -> list[str]:
+    """``count`` join tokens sharing ``n`` uses (``maxUses``), over ``sites`` sites' pools."""
+    api = roles.fleet.api
+    client = api.client()
+    tenant = api.root_tenant
+    pools = []
+    for s in range(sites):
+        site = client.call("POST", f"/v1/tenants/{tenant}/sites", {"name": f"fleet-site-{s}"})
+        pool = client.call(
+            "POST",
+            f"/v1/tenants/{tenant}/pools",
+            {"siteId": site["id"], "name": f"fleet-{s}", "agent": "bcd", "policy": {}},
+        )
+        pools.append(pool["id"])
+    tokens = []
+    for k in range(count):
+        uses = max(1, math.ceil(n / count)) + 1
+        tokens.append(api.token(pools[k % sites], maxUses=uses)["token"])
+    return tokens
+
+
+def phase_join(run: Run, tokens_per_worker: list[list[str]], jwk: dict[str, Any]) -> Phase:
+    phase = run.begin("join")
+    for w, tokens in zip(run.workers, tokens_per_worker, strict=True):
+        w.command("join", tokens=tokens, encryption_jwk=jwk)
+    answers = run.collect("join", 3600)
+    phase = run.end(phase, error_count(answers, "join"))
+    phase.detail["nodes"] = {i: nid for a in answers for i, nid in a["nodes"]}
+    phase.detail["error_texts"] = error_texts(answers)
+    return phase
+
+
+def phase_sessions(run: Run, n: int, timeout: float) -> Phase:
+    phase = run.begin("sessions")
+    run.broadcast("sessions", 60)
+    ok = run.wait_for(lambda: run.total("up") >= n, timeout)
+    return run.end(phase, 0 if ok else n - run.total("up"))
+
+
+def phase_steady(run: Run, n: int, hold_s: float) -> Phase:
+    gw_pids = {k: p for k, p in run.roles.pids.items() if k.startswith("gw")}
+    losses = run.total("losses")
+    phase = run.begin("steady")
+    time.sleep(hold_s)
+    phase.detail["rss_kb"] = {k: rss_kb(p) for k, p in gw_pids.items()}
+    return run.end(phase, run.total("losses") - losses + (n - run.total("up")))
+
+
+def phase_renewal(run: Run) -> Phase:
+    phase = run.begin("renewal")
+    answers = run.broadcast("renew", 3600)
+    phase = run.end(phase, error_count(answers, "renewal"))
+    phase.detail["error_texts"] = error_texts(answers)
+    phase.detail["retried"] = error_count(answers, "retried renewal")
+    return phase
+
+
+def phase_revocation(run: Run, nodes: dict[int, str], count: int, timeout: float) -> Phase:
+    api = run.roles.fleet.api
+    client = api.client()
+    chosen = random.Random(14).sample(sorted(nodes.values()), count)
+    losses = run.total("losses")
+    calls: dict[str, tuple[float, float]] = {}
+    failed: list[str] = []
+
+    def revoke(node_id: str) -> None:
+        path = f"/v1/tenants/{api.root_tenant}/nodes/{node_id}/revoke-identity"
+        start = time.monotonic()
+        try:
+            client.call("POST", path, {"reason": "fleet bench"})
+        except Exception as exc:
+            failed.append(f"{type(exc).__name__}: {exc}")
+            return
+        calls[node_id] = (start, time.monotonic())
+
+    phase = run.begin("revocation")
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(revoke, chosen))
+
+    def arrived() -> dict[str, float]:
+        out: dict[str, float] = {}
+        for w in run.workers:
+            out.update(w.revoked)
+        return out
+
+    run.wait_for(lambda: len(set(arrived()) & set(calls)) >= len(calls), timeout)
+    seen = arrived()
+    phase = run.end(phase, 0)
+    from_start = sorted(seen[nid] - calls[nid][0] for nid in calls if nid in seen)
+    from_return = sorted(seen[nid] - calls[nid][1] for nid in calls if nid in seen)
+    missing = len(calls) - len(from_start)
+    dropped = run.total("losses") - losses
+    phase.errors = len(failed) + missing + dropped
+    phase.detail.update(
+        revoked=len(calls),
+        latency_s=from_start,
+        from_return_s=from_return,
+        missing=missing,
+        other_sessions_dropped=dropped,
+        call_failures=failed[:5],
+    )
+    return phase
+
+
+def phase_restart(run: Run, expected: int, timeout: float) -> Phase:
+    victim = "gw1"
+    gw = run.roles.fleet.gateways[0]
+    phase = run.begin("restart")
+    before = run.total("up")
+    gw.proc.send_signal(signal.SIGKILL)
+    gw.proc.wait(10)
+    killed_at = time.monotonic()
+    run.broadcast("dead", 30, gateway=0)
+    run.roles.pids.pop(victim)
+    run.roles.apps.pop(victim)
+    low = [before]
+
+    def all_back() -> bool:
+        up = run.total("up")
+        low[0] = min(low[0], up)
+        return low[0] < before and up >= expected
+
+    ok = run.wait_for(all_back, timeout)
+    back = time.monotonic() - killed_at
+    phase = run.end(phase, 0 if ok else expected - run.total("up"))
+    phase.detail.update(time_to_all_s=back if ok else None, sessions_before=before, min_up=low[0])
+    return phase
+
+
+# --- figures, plot ------------------------------------------------------------------
+
+
+def rate_series(samples: list[dict[str, Any]], key: str) -> list[tuple[float, float]]:
+    out = []
+    for a, b in itertools.pairwise(samples):
+        dt = b["t"] - a["t"]
+        if dt > 0:
+            out.append((b["t"], (b[key] - a[key]) / dt))
+    return out
+
+
+def cpu_series(samples: list[dict[str, Any]]) -> dict[str, list[tuple[float, float]]]:
+    """Cores busy per role (API, gateways, PostgreSQL, simulators) between samples."""
+    out: dict[str, list[tuple[float, float]]] = {
+        "api": [], "gateways": [], "postgres": [], "simulators": []
+    }  # fmt: skip
+    for a, b in itertools.pairwise(samples):
+        dt = b["t"] - a["t"]
+        if dt <= 0:
+            continue
+        api = b["cpu"].get("api", 0.0) - a["cpu"].get("api", 0.0)
+        gws = sum(
+            b["cpu"][k] - a["cpu"][k] for k in b["cpu"] if k.startswith("gw") and k in a["cpu"]
+        )
+        out["api"].append((b["t"], api / dt))
+        out["gateways"].append((b["t"], gws / dt))
+        out["postgres"].append((b["t"], max(0.0, b["pg"] - a["pg"]) / dt))
+        out["simulators"].append((b["t"], (b["simulators"] - a["simulators"]) / dt))
+    return out
+
+
+def figures(
+    args: argparse.Namespace, phases: dict[str, Phase], samples: list[dict[str, Any]],
+    floors: dict[str, float], n: int,
+) -> dict[str, Any]:  # fmt: skip
+    join, renew, steady = phases["join"], phases["renewal"], phases["steady"]
+    sessions, rev, restart = phases["sessions"], phases["revocation"], phases["restart"]
+    joined = len(join.detail["nodes"])
+    steady_spent = steady.spent
+    assert steady_spent is not None
+    gw_cpu_steady = sum(v for k, v in steady_spent.procs.items() if k.startswith("gw"))
+    base = sessions.detail.get("rss_before_kb", {})
+    rss_growth = sum(steady.detail["rss_kb"][k] - base.get(k, 0) for k in steady.detail["rss_kb"])
+    lat = rev.detail["latency_s"]
+    cpus = cpu_series(samples)
+    in_restart = [
+        sum(cpus[r][i][1] for r in ("api", "gateways", "postgres"))
+        for i in range(len(cpus["api"]))
+        if restart.start <= cpus["api"][i][0] <= restart.end + SAMPLE_S
+    ]
+    reconnects = [
+        (t - restart.start, r)
+        for t, r in rate_series(samples, "welcomes")
+        if restart.start <= t <= restart.end + SAMPLE_S
+    ]
+    totals: dict[str, float] = {}
+    for p in phases.values():
+        for k, v in p.role_cpu().items():
+            totals[k] = totals.get(k, 0.0) + v
+    join_cpu = join.control_cpu_s() / max(joined, 1)
+    renewals = max(renew.detail.get("renewed", 0), 1)
+    renew_cpu = renew.control_cpu_s() / renewals
+    return {
+        "nodes": n,
+        "procs": args.procs,
+        "gateways": args.gateways,
+        "concurrency_per_proc": args.concurrency,
+        "ping_interval_s": args.ping_seconds,
+        "cert_ttl_s": args.cert_ttl,
+        "errors": {name: p.errors for name, p in phases.items()},
+        "wall_s": {name: round(p.wall_s, 3) for name, p in phases.items()},
+        "joins_per_s": joined / join.wall_s,
+        "join_cpu_ms": join_cpu * 1000,
+        "join_cpu_by_role_ms": {k: v * 1000 / max(joined, 1) for k, v in join.role_cpu().items()},
+        "join_floor_ms": floors["join"],
+        "join_floor_ratio": join_cpu * 1000 / floors["join"],
+        "join_pg_xacts": join.xacts / max(joined, 1),
+        "join_pg_cpu_ms": join.pg_cpu_s() * 1000 / max(joined, 1),
+        "session_open_gateway_cpu_ms": sum(
+            v
+            for k, v in (sessions.spent.procs if sessions.spent else {}).items()
+            if k.startswith("gw")
+        )
+        * 1000
+        / max(n, 1),
+        "gateway_rss_kb_per_session": rss_growth / max(n, 1),
+        "gateway_cpu_us_per_session_s": gw_cpu_steady * 1e6 / max(n * steady.wall_s, 1e-9),
+        "gateway_cpu_us_per_ping": gw_cpu_steady
+        * 1e6
+        / max(n * steady.wall_s, 1e-9)
+        * args.ping_seconds,
+        "renewals_per_s": renewals / renew.wall_s,
+        "renewal_cpu_ms": renew_cpu * 1000,
+        "renewal_cpu_by_role_ms": {k: v * 1000 / renewals for k, v in renew.role_cpu().items()},
+        "renewal_floor_ms": floors["renewal"],
+        "renewal_floor_ratio": renew_cpu * 1000 / floors["renewal"],
+        "renewal_pg_xacts": renew.xacts / renewals,
+        "renewal_pg_cpu_ms": renew.pg_cpu_s() * 1000 / renewals,
+        "renewal_retried": renew.detail.get("retried", 0),
+        "revocations": rev.detail["revoked"],
+        "revocation_p50_ms": pct(lat, 0.5) * 1000 if lat else None,
+        "revocation_p99_ms": pct(lat, 0.99) * 1000 if lat else None,
+        "revocation_from_return_p99_ms": (
+            pct(rev.detail["from_return_s"], 0.99) * 1000 if lat else None
+        ),
+        "reconnect_nodes": restart.detail["sessions_before"] - restart.detail["min_up"],
+        "reconnect_time_s": restart.detail["time_to_all_s"],
+        "reconnect_peak_cpu_cores": max(in_restart, default=0.0),
+        "reconnect_rate_per_s": [(round(t, 2), round(r, 1)) for t, r in reconnects],
+        "cpu_total_by_role_s": totals,
+        "revocation_latencies_ms": [round(x * 1000, 1) for x in lat],
+    }
+
+
+FIGURE_KEYS = (
+    "errors", "joins_per_s", "join_cpu_ms", "join_floor_ratio", "join_pg_xacts",
+    "join_pg_cpu_ms", "gateway_rss_kb_per_session", "gateway_cpu_us_per_session_s",
+    "gateway_cpu_us_per_ping", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
+    "renewal_pg_xacts", "renewal_pg_cpu_ms", "revocation_p50_ms", "revocation_p99_ms", "reconnect_time_s",
+    "reconnect_peak_cpu_cores", "reconnect_rate_per_s", "cpu_total_by_role_s",
+)  # fmt: skip
+
+
+def plot(
+    path: Path, samples: list[dict[str, Any]], phases: dict[str, Phase], lat: list[float]
+) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(4, 1, figsize=(11, 13))
+    ts = [s["t"] for s in samples]
+    ax[0].plot(ts, [s["up"] for s in samples], label="sessions held")
+    ax[0].plot(ts, [s["joined"] for s in samples], label="nodes joined", alpha=0.6)
+    ax[0].set_ylabel("nodes")
+    for name, series in (("joins/s", "joined"), ("renewals/s", "renewed"),
+                         ("session opens/s", "welcomes")):  # fmt: skip
+        pts = rate_series(samples, series)
+        ax[1].plot([p[0] for p in pts], [p[1] for p in pts], label=name)
+    ax[1].set_ylabel("per second")
+    for role, pts in cpu_series(samples).items():
+        ax[2].plot([p[0] for p in pts], [p[1] for p in pts], label=role)
+    ax[2].set_ylabel("CPU cores busy")
+    ax[2].set_xlabel("seconds since the fleet started")
+    for a in ax[:3]:
+        for j, p in enumerate(phases.values()):
+            a.axvline(p.start, color="grey", lw=0.6, ls="--")
+            a.text(p.start, 1.0 + 0.06 * (j % 2), p.name, transform=a.get_xaxis_transform(),
+                   fontsize=7, va="bottom")  # fmt: skip
+        a.legend(fontsize=8, loc="upper right")
+    if lat:
+        ax[3].hist([x * 1000 for x in lat], bins=40)
+    ax[3].set_xlabel("revocation latency, revoke call to the session's end (ms)")
+    ax[3].set_ylabel("nodes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def print_figures(fig: dict[str, Any]) -> None:
+    print("\nFigures (CPU = utime+stime of the API replica, gateways, their PostgreSQL backends):")
+    for key, value in fig.items():
+        if key in ("revocation_latencies_ms", "reconnect_rate_per_s"):
+            continue
+        if isinstance(value, float):
+            value = round(value, 3)
+        elif isinstance(value, dict):
+            value = {k: round(v, 3) if isinstance(v, float) else v for k, v in value.items()}
+        print(f"  {key:<34} {value}")
+    rates = fig["reconnect_rate_per_s"]
+    if rates:
+        print("  reconnects/s after the kill (s: rate): " + ", ".join(
+            f"{t:g}: {r:g}" for t, r in rates[:40]))  # fmt: skip
+
+
+def print_extrapolation(fig: dict[str, Any], target: int = 100_000) -> None:
+    """What the measured per-unit costs come to for ``target`` nodes."""
+    gws = math.ceil(target / (GATEWAY_SESSIONS_MAX * 0.9))
+    idle_cores = fig["gateway_cpu_us_per_session_s"] * target / 1e6
+    at_15s = fig["gateway_cpu_us_per_ping"] / 15 * target / 1e6
+    rss_gb = fig["gateway_rss_kb_per_session"] * target / 1e6
+    join_cpu_s = fig["join_cpu_ms"] * target / 1000
+    renew_cpu_s = fig["renewal_cpu_ms"] * target / 1000
+    print(f"\nExtrapolated to {target:,} nodes (the per-unit costs above, linearly):")
+    print(f"  gateways: at least {gws} (≤ {GATEWAY_SESSIONS_MAX:,} sessions each, the "
+          f"listener's limit, under the {FILE_LIMIT:,}-file limit); simulator processes: "
+          f"at least {math.ceil(target / (FILE_LIMIT * 0.8))}")  # fmt: skip
+    print(
+        f"  idle sessions: {idle_cores:.2f} cores at this run's ping interval "
+        f"({at_15s:.2f} at the production 15 s, from the CPU per ping) and {rss_gb:.2f} GB "
+        "in the gateways"
+    )
+    print(f"  join storm: {join_cpu_s:.0f} control-plane CPU-s, "
+          f"{join_cpu_s / 120:.1f} cores for a 2-minute storm; "
+          f"renewal wave: {renew_cpu_s:.0f} CPU-s")  # fmt: skip
+    print(f"  PostgreSQL: {fig['join_pg_xacts'] * target:,.0f} transactions for the joins")
+
+
+# --- main ---------------------------------------------------------------------------
+
+
+def split(n: int, parts: int) -> list[list[int]]:
+    return [list(range(p, n, parts)) for p in range(parts)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--nodes", type=int, default=2000)
+    parser.add_argument("--procs", type=int, default=2, help="simulator processes")
+    parser.add_argument("--gateways", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=16, help="per simulator process")
+    parser.add_argument("--sites", type=int, default=4)
+    parser.add_argument("--ping-seconds", type=float, default=2.0)
+    parser.add_argument("--steady-pings", type=int, default=3)
+    parser.add_argument("--cert-ttl", type=int, default=1800)
+    parser.add_argument("--revocations", type=int, default=None)
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--quick-floor", action="store_true", help="time the crypto floor briefly (tests)"
+    )
+    parser.add_argument(
+        "--profile", action="store_true", help="py-spy the API, gw2 and a simulator per phase"
+    )
+    args = parser.parse_args(argv)
+    if args.worker:
+        return worker_main()
+    n = args.nodes
+    if n < 10 or args.procs < 1 or args.gateways < 2 or args.concurrency < 1:
+        parser.error("--nodes at least 10, --procs at least 1, --gateways at least 2")
+    if n / args.procs > FILE_LIMIT * 0.9:
+        parser.error(f"more than {int(FILE_LIMIT * 0.9)} nodes per simulator process")
+    if n / (args.gateways - 1) > GATEWAY_SESSIONS_MAX:
+        parser.error(f"after a gateway dies the others hold {GATEWAY_SESSIONS_MAX} each at most")
+    revocations = args.revocations if args.revocations is not None else min(200, n // 10)
+
+    print_environment()
+    from bench.join import crypto_floor
+    from bench.renew import renew_floor
+    from control import pki as cpki
+    from tests.e2e import SECRET, make_pki
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.quick_floor:  # one short round per primitive: rough, but in a second
+        import bench.common
+
+        bench.common.FLOOR_ROUNDS, bench.common.FLOOR_ROUND_S = 1, 0.01
+    with tempfile.TemporaryDirectory(prefix="bcd-fleet-") as tmp_name:
+        tmp = Path(tmp_name)
+        template = tmp / "pki-template"
+        template.mkdir()
+        make_pki(template)
+        loaded = cpki.load_pki(template / "pki", SECRET.encode("utf-8"))
+        floors = {
+            "join": crypto_floor(loaded).total_us / 1000,
+            "renewal": renew_floor(loaded).total_us / 1000,
+        }
+        print(f"crypto floor (bench/join.py, bench/renew.py): {floors['join']:.3f} ms/join, "
+              f"{floors['renewal']:.3f} ms/renewal")  # fmt: skip
+        with bench_fleet(
+            tmp / "fleet",
+            template,
+            args.gateways,
+            api_extra=["--cert-ttl-seconds", str(args.cert_ttl)],
+            gateway_extra=["--session-ping-seconds", str(args.ping_seconds)],
+        ) as roles:
+            api = roles.fleet.api
+            pins = api.pins()
+            site = api.site_and_pool()[0]
+            jwk = api.well_known()["join"]["encryptionJwk"]
+            workers: list[Worker] = []
+            try:
+                for p, indexes in enumerate(split(n, args.procs)):
+                    spec = {
+                        "home": str(tmp / f"sim{p}"), "ports": roles.gateway_ports,
+                        "pins": pins, "site": site, "indexes": indexes,
+                        "concurrency": args.concurrency,
+                    }  # fmt: skip
+                    workers.append(Worker(spec, args.out / f"fleet-sim{p}.log"))
+                tokens = make_tokens(roles, n, args.procs * args.concurrency, args.sites)
+                per_worker = [tokens[p :: args.procs] for p in range(args.procs)]
+                sampler = Sampler(roles, workers)
+                profiler = Profiler(args.out, args.profile)
+                run = Run(roles, workers, sampler, profiler)
+                phases: dict[str, Phase] = {}
+                phases["join"] = phase_join(run, per_worker, jwk)
+                joined = len(phases["join"].detail["nodes"])
+                rss_before = {k: rss_kb(p) for k, p in roles.pids.items() if k.startswith("gw")}
+                phases["sessions"] = phase_sessions(run, joined, 120 + joined / 10)
+                phases["sessions"].detail["rss_before_kb"] = rss_before
+                phases["steady"] = phase_steady(run, joined, args.ping_seconds * args.steady_pings)
+                phases["renewal"] = phase_renewal(run)
+                phases["renewal"].detail["renewed"] = run.total("renewed")
+                phases["revocation"] = phase_revocation(
+                    run, phases["join"].detail["nodes"], revocations, 60
+                )
+                phases["restart"] = phase_restart(run, joined - revocations, 180 + joined / 100)
+                time.sleep(2.0)  # a tail after the last phase, for the plot
+                sampler.stop()
+            finally:
+                for w in workers:
+                    w.close()
+                for g, gw in enumerate(roles.fleet.gateways):
+                    with contextlib.suppress(OSError):
+                        (args.out / f"fleet-gw{g + 1}.log").write_text(gw.log())
+                with contextlib.suppress(OSError):
+                    (args.out / "fleet-api.log").write_text(
+                        (roles.fleet.api.home / "serve.log").read_text(errors="replace")
+                    )
+    fig = figures(args, phases, sampler.samples, floors, n)
+    for name in ("join", "renewal"):
+        texts = phases[name].detail.get("error_texts")
+        if texts:
+            print(f"{name} errors: {texts}")
+    print_figures(fig)
+    print_extrapolation(fig)
+    if args.profile:
+        fig["profile_top"] = profiler.top()
+        print("\nWhere the time goes (py-spy, share of samples in a function and what it calls):")
+        for name, views in fig["profile_top"].items():
+            for view, rows in views.items():
+                shown = "; ".join(f"{f} {share:.0%}" for f, share in rows)
+                print(f"  {name} {view}: {shown}")
+    doc = {
+        **fig,
+        "samples": sampler.samples,
+        "phases": {
+            k: {"start": p.start, "end": p.end, "errors": p.errors} for k, p in phases.items()
+        },
+    }
+    json_path = args.out / f"fleet-{n}.json"
+    json_path.write_text(json.dumps(doc, indent=1, default=str))
+    plot(
+        args.out / f"fleet-{n}.png",
+        sampler.samples,
+        phases,
+        phases["revocation"].detail["latency_s"],
+    )
+    print(f"\nfigures: {json_path}\nplot:    {args.out / f'fleet-{n}.png'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The fleet simulator (bench/fleet.py) runs every phase with no error, small.
+
+An outcome, not a speed: 40 nodes in 2 simulator processes against an API replica and
+2 gateways on PostgreSQL join, hold their sessions, renew, lose 4 of them to
+revocations and move off a gateway killed with SIGKILL; every phase reports 0 errors and
+the JSON beside the plot holds every figure.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import PG_OK, PG_URL
+
+pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.fleet import FIGURE_KEYS, PHASES  # noqa: E402
+
+
+def test_every_phase_without_error(tmp_path: Path) -> None:
+    assert PG_OK, f"PostgreSQL is not reachable at {PG_URL}"
+    done = subprocess.run(
+        [
+            sys.executable, str(ROOT / "bench" / "fleet.py"), "--nodes", "40", "--procs", "2",
+            "--gateways", "2", "--concurrency", "4", "--ping-seconds", "1",
+            "--steady-pings", "2", "--quick-floor", "--out", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=150,  # about 45 s on an idle machine, 80 s under a full test run
+        cwd=ROOT,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    figures = json.loads((tmp_path / "fleet-40.json").read_text())
+    assert figures["errors"] == dict.fromkeys(PHASES, 0), done.stdout[-3000:]
+    missing = [k for k in FIGURE_KEYS if k not in figures]
+    assert not missing, missing
+    assert figures["revocations"] == 4
+    assert figures["reconnect_nodes"] > 0  # gw1's nodes moved to gw2
+    assert (tmp_path / "fleet-40.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
