@@ -97,10 +97,19 @@ class Journal:
             except sqlite3.Error as exc:
                 raise JournalError(f"cannot write the journal {self.path}: {exc}") from exc
 
-    def append(self, kind: str, payload: Mapping[str, Any], at: datetime | None = None) -> int:
+    def append(
+        self,
+        kind: str,
+        payload: Mapping[str, Any],
+        at: datetime | None = None,
+        *,
+        replacing: tuple[str, ...] = (),
+    ) -> int:
         """Record an event (``at`` defaults to now, UTC); return its id.
 
-        ``payload`` must be JSON (no secrets: it is kept on disk for good).
+        ``payload`` must be JSON (no secrets: it is kept on disk for good). The events
+        of the kinds in ``replacing`` are deleted in the same transaction, so a kind
+        that only says what is true now (the session's last word) keeps one row.
         """
         if not isinstance(kind, str) or not 0 < len(kind) <= MAX_KIND:
             raise ValueError(f"an event kind is 1 to {MAX_KIND} characters")
@@ -109,6 +118,9 @@ class Journal:
             raise ValueError(f"an event payload is at most {MAX_PAYLOAD} bytes of JSON")
         when = format_time(at or datetime.now(UTC))
         with self._connection() as conn, conn:
+            if replacing:
+                marks = ", ".join("?" * len(replacing))
+                conn.execute(f"DELETE FROM events WHERE kind IN ({marks})", replacing)
             cursor = conn.execute(
                 "INSERT INTO events (at, kind, payload) VALUES (?, ?, ?)", (when, kind, text)
             )

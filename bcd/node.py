@@ -13,6 +13,7 @@ so a service manager restarts only the last two.
 
 from __future__ import annotations
 
+import functools
 import logging
 import signal
 import time
@@ -32,6 +33,7 @@ from bcd.helper.nodekeys import HelperKeys
 from bcd.identity import NOT_JOINED, AnyState, load_state
 from bcd.journal import Journal, open_journal
 from bcd.renew import FAIL_POINTS, gateway_renew_sender, renewal_task
+from bcd.revocation import UNKNOWN_CERTIFICATE
 from bcd.session import SessionInfo, session_task
 
 if TYPE_CHECKING:
@@ -40,6 +42,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("bcd.node")
 
 REVOKED_MESSAGE = "agent: this node's certificate was revoked"
+SESSION_WORDS = ("session-open", UNKNOWN_CERTIFICATE)
+"""The journal kinds of what the gateway last said of the certificate (bcd doctor's
+``session`` check): each replaces the others, so they never grow the journal."""
 EXIT_NEEDS_OPERATOR = 1  # revoked, not joined, expired, identity or config broken
 EXIT_TEMPORARY = 75  # EX_TEMPFAIL: e.g. the journal could not be opened; retry later
 EXIT_INTERNAL = 70  # EX_SOFTWARE: a bug ended a task
@@ -122,7 +127,11 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
             if metrics is not None:
                 metrics.renewed_at(datetime.fromtimestamp(wall(), UTC))
                 await _publish(metrics, holder)
-        return await trio.to_thread.run_sync(journal.append, kind, payload)
+        # what the session last heard is one row, however often a gateway flips it
+        replacing = SESSION_WORDS if kind in SESSION_WORDS else ()
+        return await trio.to_thread.run_sync(
+            functools.partial(journal.append, kind, payload, replacing=replacing)
+        )
 
     hooks = _Hooks() if metrics is None else _metrics_hooks(metrics, holder)
     try:

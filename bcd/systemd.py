@@ -84,6 +84,8 @@ def prioritized(text: str, levelno: int) -> str:
     # split at "\n" only: str.splitlines also breaks at \r, U+0085, U+2028 …, which
     # a value inside a line could carry, and journald would take what follows as a
     # line of its own with the priority it names
+    # journald also ends an entry at a NUL byte: shown escaped, never as a break
+    text = text.replace("\0", "\\x00")
     return "\n".join(f"<{level}>{line}" for line in text.split("\n"))
 
 

@@ -359,16 +359,16 @@ async def _serve_http(
             await _linger(stream)
             return
         life.busy += 1
+        # h11 refused control characters; a path a caller put a secret in (a whole token
+        # where the revoke path wants its id) is never logged, nor the query
+        path = shown(got.path[:256])
         try:
             try:
                 response = await handler(got)
             except Exception:
-                logger.exception("handler failed on %s %s from %s", got.method, got.path, remote)
+                logger.exception("handler failed on %s %s from %s", got.method, path, remote)
                 response = _internal_error()
             if logger.isEnabledFor(logging.DEBUG):  # the access log, at --log-level debug
-                # h11 refused control characters; the query is not shown, nor a path a
-                # caller put a secret in (a whole token where the revoke path wants its id)
-                path = shown(got.path[:256])
                 logger.debug(
                     "%s %s from %s: %d", got.method, path, remote, response.status,
                     extra={"event": "http.request", "method": got.method, "path": path,

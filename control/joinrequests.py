@@ -247,6 +247,8 @@ def _lock_pending(tx: Tx, tenant_id: str, pool_id: str, request_id: str) -> Row:
 def _reason(reason: str | None) -> str | None:
     if reason is not None and len(reason) > REASON_MAX:
         raise invalid(f"reason must be at most {REASON_MAX} characters")
+    if reason is not None and not reason.isprintable():
+        raise invalid("reason must be printable text (no control characters or line breaks)")
     return reason
 
 

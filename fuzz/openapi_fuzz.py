@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import re
 import shutil
 import sys
 import tempfile
@@ -115,6 +116,7 @@ def probe(
     """
     out: dict[str, OpStats] = {}
     session = requests.Session()
+    session.trust_env = False  # never a proxy from the environment: the bearer is in clear
     auth = {"Authorization": f"Bearer {fixed.credential}"}
     for op in operations(schema):
         if not only(op):
@@ -166,9 +168,14 @@ def _checker(
             case.validate_response(response, checks=CHECKS, headers=auth)
         except (Exception, BaseExceptionGroup) as exc:  # a FailureGroup of the failed checks
             curl = case.as_curl_command().replace(fixed.credential, "bcak_…")
-            stats.failures.append(f"{_describe(exc)} [{response.status_code}]\n  {curl}")
+            # a failing value may be a token the API just made: never printed whole
+            text = _TOKENS.sub(r"bc\1_…", f"{_describe(exc)} [{response.status_code}]\n  {curl}")
+            stats.failures.append(text)
 
     return one
+
+
+_TOKENS = re.compile(r"bc(jt|ak)_[^\s\"']+", re.IGNORECASE)
 
 
 def _describe(exc: BaseException) -> str:

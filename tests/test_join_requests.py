@@ -225,3 +225,15 @@ def test_decisions_publish_events(ew: TpmWorld) -> None:
     assert json.loads(rows[0]["payload"])["requestId"] == first
     assert json.loads(rows[1]["payload"])["requestId"] == second
     assert json.loads(rows[1]["payload"])["reason"] == "no"
+
+
+@pytest.mark.parametrize("reason", ["rack\x1b[2J", "two\nlines", "nul\0", "sep\u2028"])
+def test_a_decision_reason_is_printable_text(reason: str) -> None:
+    """An operator's reason is printed by `requests show/list`: no escape sequence or
+    line break can be stored in it."""
+    from control.errors import ControlError
+
+    with pytest.raises(ControlError) as err:
+        joinrequests._reason(reason)
+    assert err.value.code == "INVALID_ARGUMENT"
+    assert joinrequests._reason("rack B7 intake") == "rack B7 intake"

@@ -92,6 +92,19 @@ def test_events_are_appended_and_read_back(tmp_path: Path) -> None:
         assert [e.kind for e in j.events("revoked")] == ["revoked"]
 
 
+def test_what_the_session_last_heard_replaces_itself(tmp_path: Path) -> None:
+    """A gateway flipping welcome / unknown-certificate forever leaves one row of
+    either kind (bcd node's SESSION_WORDS), and the other kinds are kept."""
+    from bcd.node import SESSION_WORDS
+
+    with _open(tmp_path) as j:
+        j.append("renewed", {"serial": "ab"})
+        for _ in range(50):
+            for kind in SESSION_WORDS:
+                j.append(kind, {"serial": "ab"}, replacing=SESSION_WORDS)
+        assert [e.kind for e in j.events()] == ["renewed", SESSION_WORDS[-1]]
+
+
 def test_bad_events_are_refused(tmp_path: Path) -> None:
     with _open(tmp_path) as j:
         with pytest.raises(ValueError, match="kind"):

@@ -268,3 +268,9 @@ def test_a_value_with_a_unicode_line_break_does_not_make_a_journald_line_of_its_
     assert "\u2028" not in line
     assert line.count("\n") == 0
     assert _json.loads(line[3:])["message"] == "jrn\u2028<3>F"
+
+
+def test_a_nul_inside_a_message_does_not_end_a_journald_entry() -> None:
+    from bcd.systemd import prioritized
+
+    assert prioritized("a\0<0>FORGED", logging.INFO) == "<6>a\\x00<0>FORGED"
