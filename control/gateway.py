@@ -350,15 +350,6 @@ class Gateway:
         version = nodefacts.printable_version(hello.daemon_version)
         session = _Session(node_id, serial, send, max(0.0, remaining_ms / 1000),
                            daemon_version=version)  # fmt: skip
-        # the slot pinged last: its next ping is a whole interval away
-        session.slot = (self._slot_next - 1) % PING_SLOTS
-        self._slots[session.slot].add(session)
-        heapq.heappush(
-            self._ends, (trio.current_time() + session.ends_in_s, next(self._ends_seq), session)
-        )
-        self._replace_older(session)
-        self.sessions.setdefault(serial, []).append(session)
-        self.by_node.setdefault(node_id, []).append(session)
         self.metrics.session_opens.inc()
         self.reporter.seen(serial, version)  # queued: never delays the session
         session_id = "sess_" + secrets.token_hex(8)
@@ -379,6 +370,19 @@ class Gateway:
             stream=self._stream(session, session_id, receive),
         )
 
+    def _register(self, session: _Session) -> None:
+        """Put a new session in the indexes the pinger, the revocation poller and the
+        replacement rule read; :meth:`_stream`'s finally takes it out of them."""
+        # the slot pinged last: its next ping is a whole interval away
+        session.slot = (self._slot_next - 1) % PING_SLOTS
+        self._slots[session.slot].add(session)
+        heapq.heappush(
+            self._ends, (trio.current_time() + session.ends_in_s, next(self._ends_seq), session)
+        )
+        self._replace_older(session)
+        self.sessions.setdefault(session.serial, []).append(session)
+        self.by_node.setdefault(session.node_id, []).append(session)
+
     async def _stream(
         self,
         session: _Session,
@@ -387,6 +391,10 @@ class Gateway:
     ) -> AsyncIterator[bytes]:
         # No cancel scope here: the pinger (:meth:`pinger`) sends the pings and ends the
         # session at its certificate's end, so an idle session costs no timer of its own.
+        # Registered only once the body starts: a node that resets the connection before
+        # the answer's head is written leaves nothing behind (a generator never started
+        # never runs its finally).
+        self._register(session)
         try:
             yield _line({"type": "welcome", "session_id": session_id})
             if session.ends_in_s <= 0:

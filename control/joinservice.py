@@ -59,7 +59,7 @@ from control.joincontext import JoinContext as _Ctx
 from control.metrics import Metrics
 from control.nodefacts import printable_version
 from control.repos import CONCURRENT, platform_operated
-from control.store import Row, Store, Tx
+from control.store import Store, Tx
 
 __all__ = [
     "CERT_TTL_MAX_S",
@@ -476,7 +476,7 @@ def _prepare(request: wire.JoinRequest, crypto: JoinCrypto, peer_ip: str | None)
 def _report_shared_key(tx: Tx, tenant: str, node_id: str, hardware_key: str) -> None:
     """Tell the root tenant (never either tenant) when live nodes of other tenants
     claim the same trusted hardware key: one of them copied the other's identifiers."""
-    others = _shared_key_nodes(tx, hardware_key, tenant)
+    others = repos.shared_key_nodes(tx, hardware_key, tenant)
     root = tenancy.root_tenant(tx) if others else None
     if root is None:
         return
@@ -490,21 +490,4 @@ def _report_shared_key(tx: Tx, tenant: str, node_id: str, hardware_key: str) -> 
             "tenantId": tenant,
             "others": [{"nodeId": r["id"], "tenantId": r["tenant_id"]} for r in others],
         },
-    )
-
-
-def _shared_key_nodes(tx: Tx, hardware_key: str, tenant_id: str) -> list[Row]:
-    """Live nodes of other tenants claiming the same trusted hardware key (at most 10).
-
-    Through the tenants table, tenant by tenant: the only index on the key is
-    (tenant_id, hardware_key), so ``tenant_id <> ?`` alone scans that whole index, one
-    entry per node, on every join (a tenth of a join's CPU at 2,000 nodes, growing
-    with the fleet); a seek per tenant costs what the tenants number.
-    """
-    return tx.query(
-        "SELECT n.id, n.tenant_id FROM tenants t CROSS JOIN nodes n "
-        "WHERE n.tenant_id = t.id AND t.id <> ? AND n.hardware_key = ? "
-        "AND n.hardware_key_trusted = 1 AND n.retired_at IS NULL "
-        "ORDER BY n.created_at, n.id LIMIT 10",
-        (tenant_id, hardware_key),
     )

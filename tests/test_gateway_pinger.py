@@ -93,3 +93,41 @@ def test_one_pinger_pings_each_session_every_interval_and_ends_it_with_its_certi
         life_s = leaf.not_valid_after_utc.timestamp() - started
         ended_at = seen[i][-1][0] - opened
         assert -2 <= ended_at - life_s <= step + 2  # within a step of its end
+
+
+def test_a_session_whose_answer_is_never_sent_leaves_nothing_behind(
+    store_url: str, memory_pki: Pki
+) -> None:
+    """A node that resets the connection before the session's answer head is written:
+    its body is never started, so nothing is registered (the pinger's slots, the
+    expiry heap, the session indexes) and repeating it grows nothing."""
+    store = open_store(store_url)
+    store.migrate()
+    world = make_world(store, memory_pki)
+    joined = world.join(world.body(world.mint(), machine(1)))
+    leaf = bpki.load_pem_chain(joined["chain"])[0]
+    der = leaf.public_bytes(serialization.Encoding.DER)
+
+    async def main() -> None:
+        gateway = Gateway(
+            store, upstream=_no_upstream, limiter=trio.CapacityLimiter(4), offload=inline
+        )
+        for _ in range(20):
+            response = await gateway.handle(_session_request(joined["node_id"], der))
+            assert response.status == 200
+            assert response.stream is not None  # the head was "lost": never iterated
+        assert gateway.sessions == {}
+        assert gateway.by_node == {}
+        assert not any(gateway._slots)
+        assert gateway._ends == []
+        # a session whose body does start is registered, and unregistered at its end
+        response = await gateway.handle(_session_request(joined["node_id"], der))
+        assert response.stream is not None
+        stream = response.stream.__aiter__()
+        welcome = json.loads(await stream.__anext__())
+        assert welcome["type"] == "welcome"
+        assert sum(len(p) for p in gateway.sessions.values()) == 1
+        await stream.aclose()  # type: ignore[attr-defined]
+        assert gateway.sessions == {}
+
+    trio.run(main)
