@@ -59,6 +59,11 @@ PING_SLOTS = 15
 # A node holds one session; two overlap while it moves to a renewed certificate.
 MAX_SESSIONS_PER_NODE = 2
 REVOCATION_POLL_S = 1.0
+SESSION_OPEN_MAX_S = 30.0
+"""A session whose answer starts more than this after its certificate was checked
+ends at once, after its welcome, with a clean end of stream (its node redials and is
+checked again); the revocations the poller found are kept at least this long, so
+one committed between a session's check and its start still reaches it."""
 T = TypeVar("T")
 _DRAIN: dict[str, Any] = {"type": "drain"}  # never sent: ends the stream
 _PING: dict[str, Any] = {"type": "ping"}  # sent as _PING_LINE, encoded once
@@ -87,6 +92,8 @@ class _Session:
     ping_queued: bool = False
     expired: bool = False
     closed: bool = False
+    checked_at: float = 0.0
+    """When its certificate was found live (trio's clock)."""
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -223,11 +230,21 @@ async def live_peer(
     offload: Offload = in_worker_thread,
 ) -> tuple[str, str]:
     """(node id, serial) of the request's client certificate, else UNAUTHENTICATED."""
+    peer = await _live_peer(store, limiter, req, offload)
+    return peer.node_id, peer.serial
+
+
+async def _live_peer(
+    store: Store,
+    limiter: trio.CapacityLimiter,
+    req: Request,
+    offload: Offload = in_worker_thread,
+) -> renewal.LivePeer:
     der = req.peer_cert_der
     if der is None:
         raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
     peer, details = await _in_tx(
-        store, limiter, lambda tx: renewal.peer_or_details(tx, der), offload
+        store, limiter, lambda tx: renewal.live_peer_or_details(tx, der), offload
     )
     if peer is None:
         unknown = details.get("reason") == renewal.UNKNOWN_CERTIFICATE
@@ -264,6 +281,10 @@ class Gateway:
     _ends_closed: int = field(default=0, init=False)
     """How many sessions in ``_ends`` are closed (compacted when they are half)."""
     _ends_seq: Any = field(default_factory=itertools.count, init=False)
+    _revoked: dict[str, tuple[int, float, dict[str, Any]]] = field(default_factory=dict, init=False)
+    """serial → (revoked_at, when the poller found it, the notice line) of the
+    revocations found lately: a session registered after its revocation was found
+    gets the notice at once (:meth:`_register`)."""
 
     def __post_init__(self) -> None:
         self._slots = [set() for _ in range(PING_SLOTS)]
@@ -338,18 +359,19 @@ class Gateway:
     async def _session(self, req: Request) -> Response:
         if self.draining:
             raise ControlError("UNAVAILABLE", "this gateway is shutting down", retry_after_ms=1_000)
-        node_id, serial = await live_peer(self.store, self.limiter, req, self.offload)
+        peer = await _live_peer(self.store, self.limiter, req, self.offload)
+        checked_at = trio.current_time()
+        node_id, serial = peer.node_id, peer.serial
         try:
             hello = wire.parse_hello(wire.loads_object(req.body))
         except wire.WireError as exc:
             raise ControlError("INVALID_ARGUMENT", f"malformed Hello: {exc}") from exc
         if hello.node_id != node_id:
             raise ControlError("ACCESS_DENIED", "the Hello names another node")
-        remaining_ms = await self._run(functools.partial(renewal.remaining_ms, serial=serial))
         send, receive = trio.open_memory_channel[dict[str, Any]](8)
         version = nodefacts.printable_version(hello.daemon_version)
-        session = _Session(node_id, serial, send, max(0.0, remaining_ms / 1000),
-                           daemon_version=version)  # fmt: skip
+        session = _Session(node_id, serial, send, max(0.0, peer.remaining_ms / 1000),
+                           daemon_version=version, checked_at=checked_at)  # fmt: skip
         self.metrics.session_opens.inc()
         self.reporter.seen(serial, version)  # queued: never delays the session
         session_id = "sess_" + secrets.token_hex(8)
@@ -372,7 +394,13 @@ class Gateway:
 
     def _register(self, session: _Session) -> None:
         """Put a new session in the indexes the pinger, the revocation poller and the
-        replacement rule read; :meth:`_stream`'s finally takes it out of them."""
+        replacement rule read; :meth:`_stream`'s finally takes it out of them.
+
+        Its certificate was found live some time ago: a revocation the poller found
+        since then (it found no session to tell) is queued for it now. On the event
+        loop, with no wait between the two, so a revocation is either found by the
+        poller after this (the session is in ``sessions``) or was found before it (it
+        is in ``_revoked``, kept SESSION_OPEN_MAX_S at least)."""
         # the slot pinged last: its next ping is a whole interval away
         session.slot = (self._slot_next - 1) % PING_SLOTS
         self._slots[session.slot].add(session)
@@ -382,6 +410,16 @@ class Gateway:
         self._replace_older(session)
         self.sessions.setdefault(session.serial, []).append(session)
         self.by_node.setdefault(session.node_id, []).append(session)
+        found = self._revoked.get(session.serial)
+        if found is not None and self._tell(session, found[2]):
+            self.metrics.revocations_pushed.inc()
+            log.info(
+                "revocation of %s pushed to a session of %s that opened as it was made",
+                session.serial,
+                session.node_id,
+                extra={"event": "revocation.pushed", "node_id": session.node_id,
+                       "serial": session.serial, "reason": found[2]["reason"]},
+            )  # fmt: skip
 
     async def _stream(
         self,
@@ -399,6 +437,8 @@ class Gateway:
             yield _line({"type": "welcome", "session_id": session_id})
             if session.ends_in_s <= 0:
                 return
+            if trio.current_time() - session.checked_at > SESSION_OPEN_MAX_S:
+                return  # checked too long ago: the node redials and is checked again
             while not (self.draining or session.replaced or session.expired):
                 notice = await receive.receive()
                 if notice is _PING:
@@ -479,7 +519,7 @@ class Gateway:
     async def revocation_poller(self, *, interval_s: float = REVOCATION_POLL_S) -> None:
         """Push a RevocationNotice to every live session whose certificate was revoked."""
         since = await self._start_time(interval_s)
-        seen: dict[str, int] = {}
+        seen = self._revoked
         store_down = False
         while True:
             with trio.move_on_after(interval_s):
@@ -502,19 +542,20 @@ class Gateway:
             if store_down:
                 log.info("revocation poll: the database answers again; caught up")
             store_down = False
+            found_at = trio.current_time()
             for row in rows:
                 at = int(row["revoked_at"])
                 since = max(since, at)
                 if row["serial"] in seen:
                     continue
-                seen[row["serial"]] = at
+                notice = {
+                    "type": "revocation",
+                    "reason": row["revoke_reason"] or "revoked",
+                    "serial": row["serial"],
+                    "notice": row["revoke_notice"],  # signed where it was revoked
+                }
+                seen[row["serial"]] = (at, found_at, notice)
                 for session in list(self.sessions.get(row["serial"], [])):
-                    notice = {
-                        "type": "revocation",
-                        "reason": row["revoke_reason"] or "revoked",
-                        "serial": row["serial"],
-                        "notice": row["revoke_notice"],  # signed where it was revoked
-                    }
                     try:
                         session.send.send_nowait(notice)
                     except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
@@ -532,8 +573,8 @@ class Gateway:
                                "serial": row["serial"], "reason": notice["reason"],
                                "latency_s": max(0, now_ms - at) / 1000},
                     )  # fmt: skip
-            for serial, at in list(seen.items()):
-                if at < mark - 1000:
+            for serial, (at, found, _notice) in list(seen.items()):
+                if at < mark - 1000 and found_at - found > SESSION_OPEN_MAX_S:
                     del seen[serial]
 
 

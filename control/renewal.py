@@ -293,37 +293,31 @@ def check_renew_rate(tx: Tx, node_id: str) -> int | None:
     return max(1, leaves_window - now_ms)
 
 
-def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
-    """(node id, serial) of a live node certificate, else None (answer UNAUTHENTICATED).
+@dataclass(frozen=True)
+class LivePeer:
+    """A live node certificate: its node, its serial, and how long it is still valid
+    at ``compute_now()`` (the session's life)."""
+
+    node_id: str
+    serial: str
+    remaining_ms: int
+
+
+def live_peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[LivePeer | None, dict[str, str]]:
+    """The :class:`LivePeer` of a live node certificate, else the fields of the
+    UNAUTHENTICATED answer beside code and message: ``reason``
+    (:data:`UNKNOWN_CERTIFICATE`, ``revoked``, ``expired`` or ``node-retired``) and, for
+    a revoked certificate, its signed ``notice``.
 
     Live: byte for byte a node_certs row, unrevoked, within its validity at
-    ``compute_now()``, of a node that is not retired.
-    """
-    row = repos.cert_row(tx, peer_cert_der)
-    if row is None or row["revoked_at"] is not None:
-        return None
-    now_ms = tx.now_ms()
-    if not int(row["not_before"]) <= now_ms <= int(row["not_after"]):
-        return None
-    node = tx.one("SELECT retired_at FROM nodes WHERE id = ?", (row["node_id"],))
-    if node is None or node["retired_at"] is not None:
-        return None
-    return str(row["node_id"]), str(row["serial"])
-
-
-def peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | None, dict[str, str]]:
-    """:func:`peer_status`, else the fields of the UNAUTHENTICATED answer beside code
-    and message: ``reason`` (:data:`UNKNOWN_CERTIFICATE`, ``revoked``, ``expired`` or
-    ``node-retired``) and, for a revoked certificate, its signed ``notice``.
+    ``compute_now()``, of a node that is not retired. Two reads: the certificate's row
+    and its node's.
 
     A certificate the store has no row for is what a node that joined or renewed
     after the backup the database was restored from presents (docs/operators.md,
     "Backup and restore"). The reason is a hint, not a proof: a relaying gateway can
     send any, so the node stops only on the signed notice (:mod:`bcd.revocation`).
     """
-    peer = peer_status(tx, peer_cert_der)
-    if peer is not None:
-        return peer, {}
     row = repos.cert_row(tx, peer_cert_der)
     if row is None:
         return None, {"reason": UNKNOWN_CERTIFICATE}
@@ -333,13 +327,23 @@ def peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | Non
     now_ms = tx.now_ms()
     if not int(row["not_before"]) <= now_ms <= int(row["not_after"]):
         return None, {"reason": "expired"}
-    return None, {"reason": "node-retired"}
+    node = tx.one("SELECT retired_at FROM nodes WHERE id = ?", (row["node_id"],))
+    if node is None or node["retired_at"] is not None:
+        return None, {"reason": "node-retired"}
+    return LivePeer(str(row["node_id"]), str(row["serial"]), int(row["not_after"]) - now_ms), {}
 
 
-def remaining_ms(tx: Tx, serial: str) -> int:
-    """How long the certificate ``serial`` is still valid at ``compute_now()`` (≤ 0: not)."""
-    row = tx.one("SELECT not_after FROM node_certs WHERE serial = ?", (serial,))
-    return (int(row["not_after"]) if row else 0) - tx.now_ms()
+def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
+    """(node id, serial) of a live node certificate (:func:`live_peer_or_details`),
+    else None (answer UNAUTHENTICATED)."""
+    peer = live_peer_or_details(tx, peer_cert_der)[0]
+    return None if peer is None else (peer.node_id, peer.serial)
+
+
+def peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | None, dict[str, str]]:
+    """:func:`live_peer_or_details` with the peer as (node id, serial)."""
+    peer, details = live_peer_or_details(tx, peer_cert_der)
+    return (None if peer is None else (peer.node_id, peer.serial)), details
 
 
 def revoked_since(tx: Tx, since_ms: int) -> list[Row]:

@@ -21,7 +21,7 @@ from cryptography.hazmat.primitives import serialization
 from bcd import pki as bpki
 from bcd import wire
 from control.clock import TrioClock
-from control.gateway import REVOCATION_POLL_S, Gateway, inline
+from control.gateway import REVOCATION_POLL_S, SESSION_OPEN_MAX_S, Gateway, inline
 from control.http import Request, Response, error_response
 from control.joinservice import notice_signer, revoke_node_certs
 from control.pki import Pki
@@ -123,3 +123,105 @@ def test_a_revocation_reaches_the_session_within_one_poll_interval(
     assert status == 401
     assert body["code"] == "UNAUTHENTICATED"
     assert body["notice"] == line["notice"]
+
+
+def test_a_revocation_made_while_a_session_opens_still_reaches_it(
+    store_url: str, memory_pki: Pki
+) -> None:
+    """The certificate is found live, then revoked (by another replica), and the poller
+    finds the revocation before the session's answer starts (no session to tell yet):
+    the session still gets the notice, right after its welcome, and ends."""
+    mock = trio.testing.MockClock(autojump_threshold=0)
+    store = open_store(store_url, clock=TrioClock(mock, int(time.time() * 1000)))
+    store.migrate()
+    world = make_world(store, memory_pki)
+    joined = world.join(world.body(world.mint(), machine(1)))
+    node_id = joined["node_id"]
+    leaf = bpki.load_pem_chain(joined["chain"])[0]
+    der = leaf.public_bytes(serialization.Encoding.DER)
+    serial = format(leaf.serial_number, "x")
+    lines: list[Any] = []
+
+    async def main() -> None:
+        gateway = Gateway(
+            store,
+            upstream=_no_upstream,
+            limiter=trio.CapacityLimiter(4),
+            ping_interval_s=3_600.0,
+            offload=inline,
+        )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gateway.revocation_poller)
+            await trio.sleep(2 * REVOCATION_POLL_S)
+            response = await gateway.handle(_session_request(node_id, der))
+            assert response.status == 200  # checked live: the answer is not started yet
+            assert response.stream is not None
+            with store.tx() as tx:
+                revoke_node_certs(
+                    tx,
+                    world.tenant,
+                    node_id,
+                    "operator",
+                    notice_signer(memory_pki.join_signing_key),
+                )
+            await trio.sleep(3 * REVOCATION_POLL_S)  # the poller finds it: no session yet
+            assert serial in gateway._revoked
+            send, receive = trio.open_memory_channel[Any](16)
+            nursery.start_soon(_pump, response.stream, send)  # the answer starts now
+            with trio.fail_after(5 * REVOCATION_POLL_S):
+                while (chunk := await receive.receive()) is not None:
+                    lines.append(json.loads(chunk))
+            lines.append(None)
+            assert gateway.sessions == {}
+            nursery.cancel_scope.cancel()
+
+    trio.run(main, clock=mock)
+    store.close()
+    assert [line and line["type"] for line in lines] == ["welcome", "revocation", None]
+    notice = wire.verify_revocation_notice(lines[1]["notice"], world.signing_pin, node_id, [serial])
+    assert notice.serial == serial
+
+
+def test_a_session_checked_too_long_before_its_answer_starts_ends_at_once(
+    store_url: str, memory_pki: Pki
+) -> None:
+    """A session whose answer starts more than SESSION_OPEN_MAX_S after its certificate
+    was checked gets its welcome and a clean end of stream: its node redials and is
+    checked again."""
+    mock = trio.testing.MockClock(autojump_threshold=0)
+    store = open_store(store_url, clock=TrioClock(mock, int(time.time() * 1000)))
+    store.migrate()
+    world = make_world(store, memory_pki)
+    joined = world.join(world.body(world.mint(), machine(1)))
+    leaf = bpki.load_pem_chain(joined["chain"])[0]
+    der = leaf.public_bytes(serialization.Encoding.DER)
+    kinds: list[Any] = []
+
+    async def main() -> None:
+        gateway = Gateway(
+            store,
+            upstream=_no_upstream,
+            limiter=trio.CapacityLimiter(4),
+            ping_interval_s=3_600.0,
+            offload=inline,
+        )
+        for delay in (0.0, SESSION_OPEN_MAX_S + 1):
+            response = await gateway.handle(_session_request(joined["node_id"], der))
+            assert response.stream is not None
+            await trio.sleep(delay)
+            stream = response.stream.__aiter__()
+            kinds.append(json.loads(await stream.__anext__())["type"])
+            with trio.move_on_after(10) as waited:
+                try:
+                    await stream.__anext__()
+                    kinds.append("more")
+                except StopAsyncIteration:
+                    kinds.append("end")
+            if waited.cancelled_caught:
+                await stream.aclose()  # type: ignore[attr-defined]
+                kinds.append("open")
+            assert gateway.sessions == {}
+
+    trio.run(main, clock=mock)
+    store.close()
+    assert kinds == ["welcome", "open", "welcome", "end"]
