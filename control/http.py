@@ -511,12 +511,18 @@ async def _stream_body(
         # one scope for every write (WRITE_TIMEOUT each), not one per chunk: an idle
         # session's pings are most of what it sends
         writing = trio.CancelScope()
+        # the last chunk and its framing: a session sends the same ping line object
+        # again and again, and h11's framing of a body chunk (chunked, or as is for
+        # HTTP/1.0) depends only on the chunk, so it is framed once
+        last: tuple[bytes, bytes] = (b"", b"")
         try:
             with writing:
                 async for chunk in chunks:
                     if chunk:
+                        if chunk is not last[0]:
+                            last = (chunk, _send(conn, h11.Data(data=chunk)))
                         writing.deadline = trio.current_time() + WRITE_TIMEOUT
-                        await stream.send_all(_send(conn, h11.Data(data=chunk)))
+                        await stream.send_all(last[1])
                         writing.deadline = math.inf
                 writing.deadline = trio.current_time() + WRITE_TIMEOUT
                 await stream.send_all(_send(conn, h11.EndOfMessage()))
