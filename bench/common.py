@@ -1,7 +1,9 @@
 """What the benches share: CPU accounting, stores, joins over the gateway, timing.
 
-Imported by ``bench/join.py``, ``bench/renew.py`` and ``bench/tpm.py`` once they have put the
-repository root on ``sys.path``; not a script of its own.
+Imported by ``bench/join.py``, ``bench/renew.py``, ``bench/tpm.py`` and
+``bench/sightings.py`` once they have put the repository root on ``sys.path``; not a
+script of its own. The join and renewal benches print their floor, CPU, throughput
+table, in-process cost and instruction counts through the same helpers here.
 """
 
 from __future__ import annotations
@@ -475,3 +477,98 @@ def print_environment() -> None:
     )
     print(f"trio {trio.__version__}, psycopg {psycopg.__version__}, bcd {__version__}")
     print(f"cores: {cores} (usable by this process: {usable}); {platform.platform()}")
+
+
+# --- output of the join and renewal benches -------------------------------------------
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """One store's row of a throughput table: ``count`` operations in ``wall_s``,
+    ``cp_ms`` of control-plane CPU per operation."""
+
+    store: str
+    count: int
+    wall_s: float
+    per_s: float
+    cp_ms: float
+
+
+def print_floor(floor: Floor, op: str) -> None:
+    """The raw floor per ``op`` (``join``, ``renewal``), then the project's own calls."""
+    print(f"\nRaw crypto floor per {op} (`cryptography` only; CPU µs, median of 5 rounds):")
+    for name, us in floor.items:
+        print(f"  {us:8.1f}  {name}")
+    print(f"  {floor.total_us:8.1f}  = floor (sum)")
+    print("  the project's own calls for the same work, for reference (not the floor):")
+    for name, us in floor.extras:
+        print(f"  {us:8.1f}  {name}")
+
+
+def print_cpu(
+    cpu: list[tuple[str, float]], count: int, op: str, wall_s: float, failures: dict[str, int]
+) -> None:
+    """Each process's CPU per ``op`` and how many cores it kept busy, then the failures."""
+    for what, spent in cpu:
+        print(
+            f"  {what} CPU: {spent * 1000 / count:.3f} ms/{op}, "
+            f"busy {spent / wall_s:.2f} cores over the run"
+        )
+    for what, n in failures.items():
+        print(f"  FAILED x{n}: {what}")
+
+
+def print_table(title: str, rows: list[Throughput], floor: Floor, op: str, shares: str) -> None:
+    """The throughput table: per store, the control plane's CPU per ``op`` over the
+    floor's. ``title`` heads it; ``shares``: what of TLS the floor counts."""
+    floor_ms = floor.total_us / 1000
+    plural = f"{op}s"
+    widths = (max(len(plural), 6), len(plural) + 3, len(op) + 11, len(op) + 10)
+    print(f"\n{title}:")
+    head = (
+        f"{'store':<9} {plural:>{widths[0]}} {'wall s':>8} {plural + '/s':>{widths[1]}} "
+        f"{'CP CPU ms/' + op:>{widths[2]}} {'floor ms/' + op:>{widths[3]}} {'CPU/floor':>10}"
+    )
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(
+            f"{r.store:<9} {r.count:>{widths[0]}} {r.wall_s:>8.2f} {r.per_s:>{widths[1]}.1f} "
+            f"{r.cp_ms:>{widths[2]}.3f} {floor_ms:>{widths[3]}.3f} {r.cp_ms / floor_ms:>10.1f}"
+        )
+    print(
+        "CP CPU = control plane: the serve process, plus its PostgreSQL backends where used;"
+        f" floor = the raw `cryptography` floor above, {shares}, this run."
+    )
+
+
+def print_inprocess(
+    call: str, where: str, op: str, ms: float, floor: Floor, shares: list[Any]
+) -> None:
+    """``call`` (``JoinService.join``) alone in process (``where``): CPU ms per ``op``
+    over the floor, and its cProfile ``shares`` (:func:`cprofile_shares`) if any."""
+    floor_ms = floor.total_us / 1000
+    print(
+        f"\n{call} in process ({where}): {ms:.3f} ms CPU per {op}, {ms / floor_ms:.1f}x the floor"
+    )
+    if shares:
+        print(f"  cProfile, % of {call}'s time (cumulative, own):")
+        for cum, own, name in shares:
+            print(f"  {cum:6.1f}% {own:6.1f}%  {name}")
+
+
+def print_instructions(
+    call: str, op_ir: float | None, floor_ir: float | None, floor_note: str, runs: tuple[int, int]
+) -> None:
+    """Instructions per ``call`` and per raw floor (:func:`instructions_per_op`, the
+    difference of ``runs`` = (large, small) operations), and their ratio."""
+    if op_ir is None or floor_ir is None:
+        print("\nInstructions: valgrind (callgrind) not usable here")
+        return
+    print(
+        "\nInstructions (valgrind --tool=callgrind; perf stat has no instructions counter on"
+        f" this VM), in process, difference of {runs[0]} and {runs[1]} operations:"
+    )
+    print(f"  {op_ir / 1e6:8.2f} M per {call}")
+    print(f"  {floor_ir / 1e6:8.2f} M per raw floor ({floor_note})")
+    print(f"  ratio {op_ir / floor_ir:.2f}")

@@ -101,6 +101,7 @@ from bcd.join import verify_joined  # noqa: E402
 from bcd.signed import Issued  # noqa: E402
 from bench.common import (  # noqa: E402
     Floor,
+    Throughput,
     build_bodies,
     collapsed_shares,
     count_failures,
@@ -111,7 +112,12 @@ from bench.common import (  # noqa: E402
     open_seal_bare,
     per_call_us,
     pg_backends_cpu_s,
+    print_cpu,
     print_environment,
+    print_floor,
+    print_inprocess,
+    print_instructions,
+    print_table,
     proc_cpu_s,
     py_spy,
     raw_csr_verify,
@@ -420,75 +426,13 @@ def callgrind_loop(what: str, n: int) -> None:
 # --- output -------------------------------------------------------------------------
 
 
-def print_floor(floor: Floor) -> None:
-    print("\nRaw crypto floor per join (`cryptography` only; CPU µs, median of 5 rounds):")
-    for name, us in floor.items:
-        print(f"  {us:8.1f}  {name}")
-    print(f"  {floor.total_us:8.1f}  = floor (sum)")
-    print("  the project's own calls for the same work, for reference (not the floor):")
-    for name, us in floor.extras:
-        print(f"  {us:8.1f}  {name}")
-
-
 def print_store(res: StoreResult) -> None:
     print(f"\n[{res.store}] {res.joins} joins, {res.ok} answered 200, {res.verified} verified")
     print(f"  nodes in the database: {res.nodes_in_db}; token uses left: {res.uses_left}")
     cpu = [("serve process", res.server_cpu_s), ("bench client", res.client_cpu_s)]
     if res.pg_cpu_s is not None:
         cpu.append(("postgres backends", res.pg_cpu_s))
-    for what, spent in cpu:
-        print(
-            f"  {what} CPU: {spent * 1000 / res.joins:.3f} ms/join, "
-            f"busy {spent / res.wall_s:.2f} cores over the run"
-        )
-    for what, count in res.failures.items():
-        print(f"  FAILED x{count}: {what}")
-
-
-def print_table(results: list[StoreResult], floor: Floor, concurrency: int) -> None:
-    floor_ms = floor.total_us / 1000
-    print(f"\nJoin throughput ({concurrency} concurrent clients, one TLS connection per join):")
-    head = (
-        f"{'store':<9} {'joins':>6} {'wall s':>8} {'joins/s':>8} "
-        f"{'CP CPU ms/join':>15} {'floor ms/join':>14} {'CPU/floor':>10}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        print(
-            f"{r.store:<9} {r.joins:>6} {r.wall_s:>8.2f} {r.joins_per_s:>8.1f} "
-            f"{r.cp_ms_per_join:>15.3f} {floor_ms:>14.3f} {r.cp_ms_per_join / floor_ms:>10.1f}"
-        )
-    print(
-        "CP CPU = control plane: the serve process, plus its PostgreSQL backends where used;"
-        " floor = the raw `cryptography` floor above, TLS share included, this run."
-    )
-
-
-def print_inprocess(ms: float, floor: Floor, shares: list[Any]) -> None:
-    floor_ms = floor.total_us / 1000
-    print(
-        f"\nJoinService.join in process (SQLite file, no TLS/HTTP): {ms:.3f} ms CPU per join, "
-        f"{ms / floor_ms:.1f}x the floor"
-    )
-    if shares:
-        print("  cProfile, % of JoinService.join's time (cumulative, own):")
-        for cum, own, where in shares:
-            print(f"  {cum:6.1f}% {own:6.1f}%  {where}")
-
-
-def print_instructions(join_ir: float | None, floor_ir: float | None) -> None:
-    if join_ir is None or floor_ir is None:
-        print("\nInstructions: valgrind (callgrind) not usable here")
-        return
-    print(
-        "\nInstructions (valgrind --tool=callgrind; perf stat has no instructions counter on"
-        " this VM), in process, difference of "
-        f"{CALLGRIND_LARGE} and {CALLGRIND_SMALL} operations:"
-    )
-    print(f"  {join_ir / 1e6:8.2f} M per JoinService.join (SQLite, no TLS/HTTP)")
-    print(f"  {floor_ir / 1e6:8.2f} M per raw floor (TLS share included)")
-    print(f"  ratio {join_ir / floor_ir:.2f}")
+    print_cpu(cpu, res.joins, "join", res.wall_s, res.failures)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -526,10 +470,10 @@ def main(argv: list[str] | None = None) -> int:
         loaded = cpki.load_pki(template / "pki", SECRET.encode("utf-8"))
         assert loaded.trust_domain == TRUST_DOMAIN
         floor = crypto_floor(loaded)
-        print_floor(floor)
+        print_floor(floor, "join")
         (tmp / "inprocess").mkdir()
         ms, shares = inprocess_joins(tmp / "inprocess", args.joins, args.profile)
-        print_inprocess(ms, floor, shares)
+        print_inprocess("JoinService.join", "SQLite file, no TLS/HTTP", "join", ms, floor, shares)
         for kind in kinds:
             if args.py_spy:
                 PY_SPY_OUT[kind] = Path(tempfile.gettempdir()) / f"bcd-bench-py-spy-{kind}.txt"
@@ -541,12 +485,24 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {share:6.1f}%  {where}")
             results.append(res)
     if results:
-        print_table(results, floor, args.concurrency)
+        print_table(
+            f"Join throughput ({args.concurrency} concurrent clients, one TLS connection per join)",
+            [
+                Throughput(r.store, r.joins, r.wall_s, r.joins_per_s, r.cp_ms_per_join)
+                for r in results
+            ],
+            floor,
+            "join",
+            "TLS share included",
+        )
     if args.instructions:
         script = str(Path(__file__).resolve())
         print_instructions(
+            "JoinService.join (SQLite, no TLS/HTTP)",
             instructions_per_op(script, "join", CALLGRIND_SMALL, CALLGRIND_LARGE),
             instructions_per_op(script, "floor", CALLGRIND_SMALL, CALLGRIND_LARGE),
+            "TLS share included",
+            (CALLGRIND_LARGE, CALLGRIND_SMALL),
         )
     return 0
 

@@ -120,6 +120,7 @@ from bench.common import (  # noqa: E402
     SERVER_NAME,
     Floor,
     Outcome,
+    Throughput,
     build_bodies,
     count_failures,
     cprofile_shares,
@@ -129,7 +130,12 @@ from bench.common import (  # noqa: E402
     per_call_us,
     pg_backends_cpu_s,
     post_gateway,
+    print_cpu,
     print_environment,
+    print_floor,
+    print_inprocess,
+    print_instructions,
+    print_table,
     proc_cpu_s,
     raw_csr_verify,
     raw_leaf,
@@ -702,16 +708,6 @@ def run_latency(trials: int, batch: int, tmp: Path, template: Path) -> LatencyRe
 # --- output -------------------------------------------------------------------------
 
 
-def print_floor(floor: Floor) -> None:
-    print("\nRaw crypto floor per renewal (`cryptography` only; CPU µs, median of 5 rounds):")
-    for name, us in floor.items:
-        print(f"  {us:8.1f}  {name}")
-    print(f"  {floor.total_us:8.1f}  = floor (sum)")
-    print("  the project's own calls for the same work, for reference (not the floor):")
-    for name, us in floor.extras:
-        print(f"  {us:8.1f}  {name}")
-
-
 def print_store(res: StoreResult) -> None:
     print(
         f"\n[{res.store}] {res.nodes} nodes, {res.renewals} renewals, "
@@ -720,62 +716,7 @@ def print_store(res: StoreResult) -> None:
     cpu = [("serve process", res.server_cpu_s), ("bench client", res.client_cpu_s)]
     if res.pg_cpu_s is not None:
         cpu.append(("postgres backends", res.pg_cpu_s))
-    for what, spent in cpu:
-        print(
-            f"  {what} CPU: {spent * 1000 / res.renewals:.3f} ms/renewal, "
-            f"busy {spent / res.wall_s:.2f} cores over the run"
-        )
-    for what, count in res.failures.items():
-        print(f"  FAILED x{count}: {what}")
-
-
-def print_table(results: list[StoreResult], floor: Floor, concurrency: int) -> None:
-    floor_ms = floor.total_us / 1000
-    print(
-        f"\nRenewal throughput ({concurrency} concurrent clients, "
-        "one mutual-TLS connection per renewal):"
-    )
-    head = (
-        f"{'store':<9} {'renewals':>8} {'wall s':>8} {'renewals/s':>11} "
-        f"{'CP CPU ms/renewal':>18} {'floor ms/renewal':>17} {'CPU/floor':>10}"
-    )
-    print(head)
-    print("-" * len(head))
-    for r in results:
-        print(
-            f"{r.store:<9} {r.renewals:>8} {r.wall_s:>8.2f} {r.renewals_per_s:>11.1f} "
-            f"{r.cp_ms_per_renewal:>18.3f} {floor_ms:>17.3f} "
-            f"{r.cp_ms_per_renewal / floor_ms:>10.1f}"
-        )
-    print(
-        "CP CPU = control plane: the serve process, plus its PostgreSQL backends where used;"
-        " floor = the raw `cryptography` floor above, TLS shares included, this run."
-    )
-
-
-def print_inprocess(ms: float, floor: Floor, shares: list[Any]) -> None:
-    floor_ms = floor.total_us / 1000
-    print(
-        f"\nRenewService.renew in process (SQLite file, no TLS/HTTP, no gateway checks): "
-        f"{ms:.3f} ms CPU per renewal, {ms / floor_ms:.1f}x the floor"
-    )
-    if shares:
-        print("  cProfile, % of RenewService.renew's time (cumulative, own):")
-        for cum, own, where in shares:
-            print(f"  {cum:6.1f}% {own:6.1f}%  {where}")
-
-
-def print_instructions(renew_ir: float | None, floor_ir: float | None) -> None:
-    if renew_ir is None or floor_ir is None:
-        print("\nInstructions: valgrind (callgrind) not usable here")
-        return
-    print(
-        "\nInstructions (valgrind --tool=callgrind; perf stat has no instructions counter on"
-        f" this VM), in process, difference of {CALLGRIND_LARGE} and {CALLGRIND_SMALL}:"
-    )
-    print(f"  {renew_ir / 1e6:8.2f} M per RenewService.renew (SQLite, no TLS/HTTP)")
-    print(f"  {floor_ir / 1e6:8.2f} M per raw floor (TLS shares included)")
-    print(f"  ratio {renew_ir / floor_ir:.2f}")
+    print_cpu(cpu, res.renewals, "renewal", res.wall_s, res.failures)
 
 
 # --- in process: RenewService alone on a SQLite file ---------------------------------
@@ -927,10 +868,17 @@ def main(argv: list[str] | None = None) -> int:
         loaded = cpki.load_pki(template / "pki", SECRET.encode("utf-8"))
         assert loaded.trust_domain == TRUST_DOMAIN
         floor = renew_floor(loaded)
-        print_floor(floor)
+        print_floor(floor, "renewal")
         (tmp / "inprocess").mkdir()
         ms, shares = inprocess_renewals(tmp / "inprocess", args.nodes, args.profile)
-        print_inprocess(ms, floor, shares)
+        print_inprocess(
+            "RenewService.renew",
+            "SQLite file, no TLS/HTTP, no gateway checks",
+            "renewal",
+            ms,
+            floor,
+            shares,
+        )
         for kind in kinds:
             res = run_store(kind, args.nodes, args.rounds, args.concurrency, tmp, template)
             print_store(res)
@@ -940,14 +888,27 @@ def main(argv: list[str] | None = None) -> int:
         if args.trials:
             latency = run_latency(args.trials, args.batch, tmp, template)
     if results:
-        print_table(results, floor, args.concurrency)
+        print_table(
+            f"Renewal throughput ({args.concurrency} concurrent clients, "
+            "one mutual-TLS connection per renewal)",
+            [
+                Throughput(r.store, r.renewals, r.wall_s, r.renewals_per_s, r.cp_ms_per_renewal)
+                for r in results
+            ],
+            floor,
+            "renewal",
+            "TLS shares included",
+        )
     if latency is not None:
         print_latency(latency)
     if args.instructions:
         script = str(Path(__file__).resolve())
         print_instructions(
+            "RenewService.renew (SQLite, no TLS/HTTP)",
             instructions_per_op(script, "renew", CALLGRIND_SMALL, CALLGRIND_LARGE),
             instructions_per_op(script, "floor", CALLGRIND_SMALL, CALLGRIND_LARGE),
+            "TLS shares included",
+            (CALLGRIND_LARGE, CALLGRIND_SMALL),
         )
     return 0
 

@@ -20,6 +20,7 @@ import functools
 import json
 import logging
 import re
+from collections.abc import Sequence
 from typing import Any
 
 from bcd.systemd import RECORD_ATTRS
@@ -79,28 +80,45 @@ def _log_published(event_id: str, tenant_id: str, type_: str, payload: dict[str,
 
 
 def publish(tx: Tx, tenant_id: str, type_: str, payload: dict[str, Any]) -> str:
-    event_id = new_id("ev")
-    tx.execute(
-        "INSERT INTO events (id, tenant_id, type, payload, created_at) VALUES (?, ?, ?, ?, ?)",
-        (event_id, tenant_id, type_, json.dumps(payload, sort_keys=True), tx.now_ms()),
-    )
-    tx.on_commit(functools.partial(_log_published, event_id, tenant_id, type_, dict(payload)))
-    return event_id
+    return publish_many(tx, [(tenant_id, type_, payload)])[0]
+
+
+def publish_many(tx: Tx, items: Sequence[tuple[str, str, dict[str, Any]]]) -> list[str]:
+    """Events (tenant, type, payload), one INSERT for all; each logged after commit."""
+    ids: list[str] = []
+    params: list[Any] = []
+    now = tx.now_ms()
+    for tenant_id, type_, payload in items:
+        event_id = new_id("ev")
+        ids.append(event_id)
+        params += [event_id, tenant_id, type_, json.dumps(payload, sort_keys=True), now]
+        tx.on_commit(functools.partial(_log_published, event_id, tenant_id, type_, dict(payload)))
+    if ids:
+        rows = ", ".join(["(?, ?, ?, ?, ?)"] * len(ids))
+        tx.execute(
+            f"INSERT INTO events (id, tenant_id, type, payload, created_at) VALUES {rows}", params
+        )
+    return ids
 
 
 def audit(tx: Tx, tenant_id: str, action: str, subject: str, payload: dict[str, Any]) -> None:
-    tx.execute(
-        "INSERT INTO audit (id, tenant_id, action, subject, payload, created_at) "
-        "VALUES (?, ?, ?, ?, ?, ?)",
-        (
-            new_id("au"),
-            tenant_id,
-            action,
-            subject,
-            json.dumps(payload, sort_keys=True),
-            tx.now_ms(),
-        ),
-    )
+    audit_many(tx, [(tenant_id, action, subject, payload)])
+
+
+def audit_many(tx: Tx, items: Sequence[tuple[str, str, str, dict[str, Any]]]) -> None:
+    """Audit rows (tenant, action, subject, payload), one INSERT for all."""
+    params: list[Any] = []
+    now = tx.now_ms()
+    for tenant_id, action, subject, payload in items:
+        params += [new_id("au"), tenant_id, action, subject, json.dumps(payload, sort_keys=True),
+                   now]  # fmt: skip
+    if params:
+        rows = ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(items))
+        tx.execute(
+            "INSERT INTO audit (id, tenant_id, action, subject, payload, created_at) "
+            f"VALUES {rows}",
+            params,
+        )
 
 
 def publish_rate_limited(

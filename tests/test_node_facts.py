@@ -9,19 +9,22 @@ Nodes come from real joins (JoinService with a token, :class:`tests.world.renewa
 from __future__ import annotations
 
 import json
-from typing import Any
+import threading
+from typing import Any, cast
 
 import pytest
 import trio
 
 from bcd import wire
 from control import nodefacts, nodes, tenancy
+from control.clock import ManualClock
 from control.errors import ControlError
 from control.gateway import NodeCalls
 from control.http import Request, Response
 from control.ids import iso
 from control.metrics import Metrics
 from control.sessionreport import MAX_REPORT_BYTES, SessionReporter, chunks
+from control.store import Tx
 from tests.world.renewals import Env
 
 
@@ -161,6 +164,144 @@ def test_a_report_touches_only_live_certificates_of_the_current_generation(env: 
     # the latest live not_after is shown
     not_after = max(int(n.leaf.not_valid_after_utc.timestamp() * 1000) for n in (node, renewed))
     assert shown(env, node.node_id)["certificateNotAfter"] == iso(not_after)
+
+
+class Recording:
+    """A transaction that records every statement run through it (else the real one)."""
+
+    def __init__(self, tx: Tx) -> None:
+        self._tx = tx
+        self.statements: list[str] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tx, name)
+
+    def query(self, sql: str, params: Any = ()) -> list[dict[str, Any]]:
+        self.statements.append(sql)
+        return self._tx.query(sql, params)
+
+    def execute(self, sql: str, params: Any = ()) -> int:
+        self.statements.append(sql)
+        return self._tx.execute(sql, params)
+
+
+def recorded(env: Env, seen: dict[str, str]) -> tuple[dict[str, int], list[str]]:
+    with env.store.tx() as tx:
+        rec = Recording(tx)
+        got = nodefacts.record_sessions(cast(Tx, rec), seen)
+    return got, rec.statements
+
+
+def row_version(env: Env, node_id: str) -> Any:
+    """PostgreSQL: the row version's xmin (a write makes a new one); SQLite: the row."""
+    if env.store.dialect == "postgres":
+        return env.rows("SELECT xmin::text AS v FROM nodes WHERE id = ?", (node_id,))[0]["v"]
+    return node_row(env, node_id)
+
+
+def test_a_re_report_that_changes_nothing_locks_and_writes_nothing(
+    env: Env, clock: ManualClock
+) -> None:
+    """The common report (a node seen less than LAST_SEEN_FRESH_MS ago, its version
+    unchanged, nothing to adopt) is read only: no FOR UPDATE, no UPDATE, no INSERT."""
+    plain, env.pool = env.pool, checked_pool(env)  # stays adopting: read, not adoptable
+    waiting = env.join(1)
+    env.pool = plain
+    nodes_ = [waiting, env.join(2), env.join(3)]
+    report = {n.serial: "1.2.3" for n in nodes_}
+    got, statements = recorded(env, report)
+    assert got == {"seen": 3, "adopted": 2}
+    before = [node_row(env, n.node_id) for n in nodes_]
+    versions = [row_version(env, n.node_id) for n in nodes_]
+    audits = env.rows("SELECT id FROM audit ORDER BY id")
+
+    clock.advance(nodefacts.LAST_SEEN_FRESH_MS - 1)
+    for again in (report, dict.fromkeys(report, "")):  # an empty version keeps the old
+        got, statements = recorded(env, again)
+        assert got == {"seen": 3, "adopted": 0}
+        assert all(s.lstrip().upper().startswith("SELECT") for s in statements), statements
+        assert not any("FOR UPDATE" in s for s in statements)
+        assert [node_row(env, n.node_id) for n in nodes_] == before
+        assert [row_version(env, n.node_id) for n in nodes_] == versions
+        assert env.rows("SELECT id FROM audit ORDER BY id") == audits
+
+
+def test_a_stale_last_seen_or_a_new_version_is_written(env: Env, clock: ManualClock) -> None:
+    node, other = env.join(1), env.join(2)
+    record(env, {node.serial: "1.0", other.serial: "1.0"})
+    first = node_row(env, node.node_id)["last_seen_at"]
+    assert first == clock.now_ms()
+
+    # within the freshness window a new version is written, and last seen with it
+    clock.advance(1000)
+    got, statements = recorded(env, {node.serial: "1.1", other.serial: "1.0"})
+    assert got == {"seen": 2, "adopted": 0}
+    assert sum(s.lstrip().upper().startswith("UPDATE") for s in statements) == 1
+    assert (node_row(env, node.node_id)["daemon_version"],
+            node_row(env, node.node_id)["last_seen_at"]) == ("1.1", first + 1000)  # fmt: skip
+    assert node_row(env, other.node_id)["last_seen_at"] == first  # not stale, not written
+
+    # once stale, last seen is written again, by one UPDATE for both
+    clock.advance(nodefacts.LAST_SEEN_FRESH_MS)
+    got, statements = recorded(env, {node.serial: "1.1", other.serial: ""})
+    assert got == {"seen": 2, "adopted": 0}
+    writes = [s for s in statements if not s.lstrip().upper().startswith("SELECT")]
+    assert len(writes) == 1
+    assert writes[0].startswith("UPDATE nodes")
+    assert env.store.dialect == "sqlite" or any("FOR UPDATE" in s for s in statements)
+    for n, version in ((node, "1.1"), (other, "1.0")):
+        row = node_row(env, n.node_id)
+        assert (row["last_seen_at"], row["daemon_version"]) == (clock.now_ms(), version)
+
+
+def test_first_hellos_of_many_nodes_are_one_update_and_one_insert_each(env: Env) -> None:
+    made = [env.join(n) for n in range(1, 5)]
+    versions = {made[0].serial: "2.0", made[1].serial: "2.1", made[2].serial: "",
+                made[3].serial: "0.1.0-test"}  # fmt: skip
+    got, statements = recorded(env, versions)
+    assert got == {"seen": 4, "adopted": 4}
+    writes = [s.split("(")[0].split(" SET ")[0] for s in statements
+              if not s.lstrip().upper().startswith("SELECT")]  # fmt: skip
+    assert writes == ["UPDATE nodes", "INSERT INTO audit ", "INSERT INTO events "]
+    for n, version in zip(made, ("2.0", "2.1", "0.1.0-test", "0.1.0-test"), strict=True):
+        got_node = shown(env, n.node_id)
+        assert (got_node["state"], got_node["daemonVersion"]) == ("adopted", version)
+        assert got_node["lastSeenAt"] is not None
+        assert adopted_audit(env, n.node_id) == [
+            {"nodeId": n.node_id, "by": "session", "serial": n.serial}
+        ]
+    assert sorted(e["payload"]["nodeId"] for e in env.events(env.tenant, "node.adopted")) == (
+        sorted(n.node_id for n in made)
+    )
+
+
+def test_overlapping_reports_of_two_gateways_never_deadlock(env: Env) -> None:
+    """Two gateways report overlapping nodes at once, each report writing every node
+    (a new version each time): the nodes are locked in id order, so neither waits
+    on the other forever (PostgreSQL would answer a deadlock with an error)."""
+    made = [env.join(n) for n in range(1, 13)]
+    serials = [n.serial for n in made]
+    errors: list[BaseException] = []
+
+    def gateway(name: str, names: list[str]) -> None:
+        try:
+            for i in range(15):
+                # the same nodes, named in another order by each gateway
+                record(env, {s: f"{name}{i}" for s in names})
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=gateway, args=("a", serials[:9])),
+        threading.Thread(target=gateway, args=("b", list(reversed(serials[3:])))),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert errors == []
+    assert {shown(env, n.node_id)["state"] for n in made} == {"adopted"}
+    assert all(len(adopted_audit(env, n.node_id)) == 1 for n in made)
 
 
 def test_a_report_cannot_name_a_node_id() -> None:
