@@ -127,14 +127,17 @@ def public_jwk_of(key: ec.EllipticCurvePublicKey) -> dict[str, str]:
 
 
 def public_key_of_jwk(obj: object) -> ec.EllipticCurvePublicKey:
-    """Parse a public P-256 JWK (no private part accepted)."""
+    """Parse a public P-256 JWK (no private part accepted): each coordinate exactly 32
+    octets, as RFC 7518 6.2.1.2 requires, and the point on the curve."""
     if not isinstance(obj, dict) or obj.get("kty") != "EC" or obj.get("crv") != "P-256":
         raise WireError("not a P-256 public JWK")
     if "d" in obj:
         raise WireError("the JWK holds a private key")
     try:
-        x = int.from_bytes(pki.b64url_decode(obj["x"]), "big")
-        y = int.from_bytes(pki.b64url_decode(obj["y"]), "big")
+        xb, yb = pki.b64url_decode(obj["x"]), pki.b64url_decode(obj["y"])
+        if len(xb) != 32 or len(yb) != 32:
+            raise ValueError("a coordinate is not 32 octets")
+        x, y = int.from_bytes(xb, "big"), int.from_bytes(yb, "big")
         return ec.EllipticCurvePublicNumbers(x, y, ec.SECP256R1()).public_key()
     except (KeyError, ValueError, TypeError) as exc:
         raise WireError("not a P-256 public JWK") from exc

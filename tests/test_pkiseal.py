@@ -71,9 +71,10 @@ def raw_seal(
     tag_len: int = 16,
     apu: bytes = b"",
     apv: bytes = b"",
+    eph: ec.EllipticCurvePrivateKey | None = None,
 ) -> str:
     """A seal made step by step with ``cryptography``, with any header or shape."""
-    eph = ec.generate_private_key(ec.SECP256R1())
+    eph = eph or ec.generate_private_key(ec.SECP256R1())
     full: dict[str, Any] = {
         "alg": "ECDH-ES+A256KW",
         "enc": "A256GCM",
@@ -231,6 +232,25 @@ def test_refusals_never_escape_as_other_errors() -> None:
 def test_stricter_than_jwcrypto_where_no_sealer_goes(make: Callable[[], str]) -> None:
     sealed = make()
     assert ours(sealed) == ("WireError", "the seal does not open")
+
+
+def test_an_epk_coordinate_shorter_than_32_octets_is_refused() -> None:
+    """RFC 7518 6.2.1.2: a coordinate is the full 32 octets. A point whose x has a
+    leading zero octet, its epk written with that octet dropped: jwcrypto opens it,
+    ours refuses; the same seal with the full coordinate opens."""
+    while True:  # one key in 256 has a leading zero octet in x
+        eph = ec.generate_private_key(ec.SECP256R1())
+        x = eph.public_key().public_numbers().x.to_bytes(32, "big")
+        if x[0] == 0:
+            break
+    full = wire.public_jwk_of(eph.public_key())
+    short = {**full, "x": b64(x[1:])}
+    assert isinstance(ours(raw_seal(eph=eph, header={"epk": full})), wire.OpenedSeal)
+    sealed = raw_seal(eph=eph, header={"epk": short})
+    assert isinstance(jwcrypto(sealed), wire.OpenedSeal)
+    assert ours(sealed) == ("WireError", "the seal does not open")
+    with pytest.raises(wire.WireError, match="not a P-256 public JWK"):
+        wire.public_key_of_jwk(short)
 
 
 def test_a_compressed_seal_is_refused() -> None:
