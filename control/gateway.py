@@ -160,18 +160,29 @@ class NodeCalls:
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
 
     async def _renew(self, req: Request) -> Response:
-        node_id, _serial = await live_peer(self.store, self.limiter, req)
-        pushback = await self._run(lambda tx: renewal.check_renew_rate(tx, node_id))
-        if pushback is not None:
-            self.metrics.renewal("rate-limited")
-            raise ControlError(
-                "RESOURCE_EXHAUSTED",
-                "at most 6 renewals per node and hour",
-                retry_after_ms=pushback,
-            )
-        signed = await trio.to_thread.run_sync(
-            self.renewservice.renew, req.body, req.peer_cert_der, limiter=self.limiter
-        )
+        der = req.peer_cert_der
+        if der is None:
+            raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
+
+        def renew() -> str:
+            """One worker-thread hop: the client certificate's liveness and the node's
+            rate in one transaction, then RenewService's own (was three hops and three
+            transactions)."""
+            with self.store.tx() as tx:
+                peer, details = renewal.live_peer_or_details(tx, der)
+                pushback = None if peer is None else renewal.check_renew_rate(tx, peer.node_id)
+            if peer is None:
+                raise not_live(details)
+            if pushback is not None:
+                self.metrics.renewal("rate-limited")
+                raise ControlError(
+                    "RESOURCE_EXHAUSTED",
+                    "at most 6 renewals per node and hour",
+                    retry_after_ms=pushback,
+                )
+            return self.renewservice.renew(req.body, der)
+
+        signed = await trio.to_thread.run_sync(renew, limiter=self.limiter)
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
 
     async def _vouch(self, req: Request) -> Response:
@@ -247,15 +258,19 @@ async def _live_peer(
         store, limiter, lambda tx: renewal.live_peer_or_details(tx, der), offload
     )
     if peer is None:
-        unknown = details.get("reason") == renewal.UNKNOWN_CERTIFICATE
-        raise ControlError(
-            "UNAUTHENTICATED",
-            renewal.UNKNOWN_MESSAGE
-            if unknown
-            else "this certificate is not a live node certificate",
-            details=details,
-        )
+        raise not_live(details)
     return peer
+
+
+def not_live(details: dict[str, str]) -> ControlError:
+    """The UNAUTHENTICATED answer to a client certificate that is not live
+    (:func:`control.renewal.live_peer_or_details`'s details beside code and message)."""
+    unknown = details.get("reason") == renewal.UNKNOWN_CERTIFICATE
+    return ControlError(
+        "UNAUTHENTICATED",
+        renewal.UNKNOWN_MESSAGE if unknown else "this certificate is not a live node certificate",
+        details=details,
+    )
 
 
 @dataclass

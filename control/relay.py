@@ -34,9 +34,9 @@ import binascii
 import dataclasses
 import logging
 import ssl
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 
-import httpx
+import httpcore
 import trio
 
 from control import discovery, nodefacts
@@ -59,7 +59,8 @@ MAX_PEER_CERT_B64 = 8 * 1024
 MAX_REMOTE = 64
 NONE_UP_PUSHBACK_MS = 1_000
 CONNECT_TIMEOUT_S = 3.0
-CALL_TIMEOUT_S = 35.0  # httpx's, per read or write
+CALL_TIMEOUT_S = 35.0  # httpcore's, per read or write
+KEEPALIVE_S = 5.0  # an idle connection to a replica is closed after this
 ATTEMPT_S = 12.0  # one upstream's whole answer; then the next one, within the node's 30 s
 HEALTH_TIMEOUT_S = 2.0
 _PASSED_HEADERS = ("content-type", "retry-pushback-ms")
@@ -75,14 +76,20 @@ def client_context(bundle: GatewayBundle) -> ssl.SSLContext:
 
 
 class RelayClient:
-    """Relays node calls to API replicas; one httpx client, its pool per upstream."""
+    """Relays node calls to API replicas; one httpcore connection pool, kept-alive
+    connections per upstream.
+
+    httpcore, not httpx over it: a relayed call is one POST of bytes as they came,
+    and httpx's request and response models cost about 0.17 ms of the gateway's CPU
+    per call (0.60 against 0.43 ms for a relayed 5 KB POST over a kept-alive TLS
+    connection). No proxy from the environment, no redirects, no decoding: httpcore
+    has none of them."""
 
     def __init__(
         self,
         upstreams: Sequence[str],
         ctx: ssl.SSLContext,
         *,
-        transport: httpx.AsyncBaseTransport | None = None,
         metrics: Metrics | None = None,
     ) -> None:
         if not upstreams:
@@ -90,19 +97,17 @@ class RelayClient:
         self.upstreams = [u.rstrip("/") for u in upstreams]
         self.metrics = metrics or Metrics()
         self._preferred = 0
-        self._client = httpx.AsyncClient(
-            verify=ctx,
-            transport=transport,
-            timeout=httpx.Timeout(CALL_TIMEOUT_S, connect=CONNECT_TIMEOUT_S),
-            limits=httpx.Limits(max_connections=64, max_keepalive_connections=32),
-            trust_env=False,
-            follow_redirects=False,
+        self._pool = httpcore.AsyncConnectionPool(
+            ssl_context=ctx,
+            max_connections=64,
+            max_keepalive_connections=32,
+            keepalive_expiry=KEEPALIVE_S,
         )
         self._up_checked_at = -1e9
         self._up = False
 
     async def aclose(self) -> None:
-        await self._client.aclose()
+        await self._pool.aclose()
 
     def _order(self) -> list[int]:
         n = len(self.upstreams)
@@ -113,24 +118,28 @@ class RelayClient:
             return await self._forward(req)
 
     async def _forward(self, req: Request) -> Response:
-        headers = {  # built here, never copied from the node's request
-            "content-type": "application/json",
-            REMOTE_HEADER: req.remote[:MAX_REMOTE],
-        }
+        headers = [  # built here, never copied from the node's request
+            (b"content-type", b"application/json"),
+            (REMOTE_HEADER.encode(), req.remote[:MAX_REMOTE].encode("ascii")),
+        ]
         if req.peer_cert_der is not None:
-            headers[PEER_CERT_HEADER] = base64.b64encode(req.peer_cert_der).decode("ascii")
+            headers.append((PEER_CERT_HEADER.encode(), base64.b64encode(req.peer_cert_der)))
         for index in self._order():
             url = self.upstreams[index] + req.path
             try:
                 with trio.fail_after(ATTEMPT_S):
-                    async with self._client.stream(
-                        "POST", url, content=req.body, headers=headers
+                    async with self._pool.stream(
+                        "POST",
+                        url,
+                        content=req.body,
+                        headers=headers,
+                        extensions={"timeout": _TIMEOUTS},
                     ) as answer:
                         body = await _bounded(answer)
             except _NOT_SENT as exc:  # nothing reached that replica: the next one may
                 log.warning("relay to %s failed (%s); trying the next", url, type(exc).__name__)
                 continue
-            except (httpx.TransportError, _TooLarge, trio.TooSlowError) as exc:
+            except (*_TRANSPORT, _TooLarge, trio.TooSlowError) as exc:
                 # The call may be running there still: sending it to another replica too
                 # could judge it twice (a second node for an untrusted key, a renewal
                 # refused as a replay while the first was issued). The node retries it.
@@ -142,8 +151,7 @@ class RelayClient:
                     retry_after_ms=NONE_UP_PUSHBACK_MS,
                 ) from exc
             self._preferred = index
-            kept = [(n, answer.headers[n]) for n in _PASSED_HEADERS if n in answer.headers]
-            return Response(answer.status_code, body, kept)
+            return Response(answer.status, body, _passed(answer.headers))
         raise ControlError(
             "UNAVAILABLE",
             "no JoinService replica answers; retry",
@@ -158,12 +166,14 @@ class RelayClient:
         self._up_checked_at = now
         for index in self._order():
             try:
-                answer = await self._client.get(
-                    self.upstreams[index] + "/readyz", timeout=HEALTH_TIMEOUT_S
+                answer = await self._pool.request(
+                    "GET",
+                    self.upstreams[index] + "/readyz",
+                    extensions={"timeout": _HEALTH_TIMEOUTS},
                 )
-            except httpx.TransportError:
+            except _TRANSPORT:
                 continue
-            if answer.status_code == 200:
+            if answer.status == 200:
                 self._up = True
                 return True
         self._up = False
@@ -176,12 +186,39 @@ class _TooLarge(Exception):
 
 # Failures before the request reached the replica (refused, no route, TLS, no free
 # connection): only these move a call to the next upstream.
-_NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+_NOT_SENT = (httpcore.ConnectError, httpcore.ConnectTimeout, httpcore.PoolTimeout)
+# Every failure of the transport (what httpx calls a TransportError).
+_TRANSPORT = (
+    httpcore.TimeoutException,
+    httpcore.NetworkError,
+    httpcore.ProtocolError,
+    httpcore.UnsupportedProtocol,
+)
+_TIMEOUTS = {
+    "connect": CONNECT_TIMEOUT_S,
+    "read": CALL_TIMEOUT_S,
+    "write": CALL_TIMEOUT_S,
+    "pool": CALL_TIMEOUT_S,
+}
+_HEALTH_TIMEOUTS = dict.fromkeys(("connect", "read", "write", "pool"), HEALTH_TIMEOUT_S)
 
 
-async def _bounded(answer: httpx.Response) -> bytes:
+def _passed(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
+    """The answer's headers that go back to the node (a repeated one joined by
+    commas, as httpx's ``headers[name]`` gave it)."""
+    found: dict[str, list[str]] = {}
+    for raw_name, raw_value in headers:
+        name = raw_name.decode("latin-1").lower()
+        if name in _PASSED_HEADERS:
+            found.setdefault(name, []).append(raw_value.decode("latin-1"))
+    return [(name, ", ".join(found[name])) for name in _PASSED_HEADERS if name in found]
+
+
+async def _bounded(answer: httpcore.Response) -> bytes:
     body = bytearray()
-    async for chunk in answer.aiter_raw():
+    stream = answer.stream
+    assert isinstance(stream, AsyncIterable)  # a pool's answer streams asynchronously
+    async for chunk in stream:
         body += chunk
         if len(body) > MAX_ANSWER:
             raise _TooLarge

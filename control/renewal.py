@@ -150,7 +150,7 @@ class RenewService:
 
         # Lock the node, then read its certificates again: a revocation, reclaim or
         # deletion (which lock the node first) is either wholly before or after us.
-        node = repos.lock_node(tx, node_id)
+        node = repos.lock_node(tx, node_id, statements=False)  # the leaf's, never the node's
         leaf_row = repos.cert_by_serial(tx, serial)
         leaf = repos.cert_facts(leaf_row)
         assert leaf is not None  # node_certs rows are never deleted

@@ -72,7 +72,7 @@ def latest_statements(tx: Tx, node_id: str) -> tuple[str, ...] | None:
     return None if row is None else tuple(json.loads(row["statements"]))
 
 
-def _node_facts(tx: Tx, row: Row | None) -> NodeFacts | None:
+def _node_facts(tx: Tx, row: Row | None, statements: bool = True) -> NodeFacts | None:
     if row is None:
         return None
     cap = row.get("max_lifetime_s")
@@ -84,14 +84,19 @@ def _node_facts(tx: Tx, row: Row | None) -> NodeFacts | None:
         role=str(row["role"]),
         identity_generation=int(row["identity_generation"]),
         retired=row["retired_at"] is not None,
-        latest_statements=latest_statements(tx, str(row["id"])),
+        latest_statements=latest_statements(tx, str(row["id"])) if statements else None,
         max_lifetime_s=None if cap is None else int(cap),
     )
 
 
-def lock_node(tx: Tx, node_id: str) -> NodeFacts | None:
-    """The node, its row locked (revocations, reclaims and deletions lock it first)."""
-    return _node_facts(tx, tx.one("SELECT * FROM nodes WHERE id = ?" + tx.for_update, (node_id,)))
+def lock_node(tx: Tx, node_id: str, *, statements: bool = True) -> NodeFacts | None:
+    """The node, its row locked (revocations, reclaims and deletions lock it first).
+
+    ``statements=False`` leaves ``latest_statements`` unread (None), one statement
+    fewer: for a renewal, which takes the statements from the presented leaf and its
+    row, never from the node."""
+    row = tx.one("SELECT * FROM nodes WHERE id = ?" + tx.for_update, (node_id,))
+    return _node_facts(tx, row, statements)
 
 
 def lock_node_by_hardware(tx: Tx, hardware_key: str, tenant_id: str) -> NodeFacts | None:

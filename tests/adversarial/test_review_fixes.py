@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import functools
+import socket
 import ssl
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
+import trio
 
 from bcd.attestor_api import hookimpl
 from bcd.config import load_config
@@ -68,43 +69,50 @@ def _request() -> Request:
     return Request("POST", "/v1/join", {}, {}, b"{}", None, "192.0.2.1:1")
 
 
-async def test_a_call_already_sent_is_not_sent_to_another_replica() -> None:
+async def _replica(nursery: trio.Nursery, name: str, calls: list[str], answer: bool) -> str:
+    """A replica on loopback (plain HTTP: what is under test is the relay's failover):
+    it records each request it received whole, then answers 200 ``signed`` or, when
+    ``answer`` is False, closes without a word (a replica that died mid-call)."""
+
+    async def peer(tcp: trio.SocketStream) -> None:
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += await tcp.receive_some(65536)
+        calls.append(name)
+        if answer:
+            await tcp.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsigned")
+        await tcp.aclose()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, peer, 0, host="127.0.0.1"))
+    return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+
+def _closed_port() -> str:
+    with socket.socket() as sock:  # bound, never listening: a connect is refused
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+async def test_a_call_already_sent_is_not_sent_to_another_replica(nursery: trio.Nursery) -> None:
     calls: list[str] = []
-
-    def handler(request: httpx.Request) -> httpx.Response:
-        calls.append(request.url.host)
-        if request.url.host == "a.example":
-            raise httpx.ReadTimeout("no answer", request=request)
-        return httpx.Response(200, stream=httpx.ByteStream(b"signed"))
-
-    client = RelayClient(
-        ["https://a.example", "https://b.example"],
-        ssl.create_default_context(),
-        transport=httpx.MockTransport(handler),
-    )
+    a = await _replica(nursery, "a", calls, answer=False)
+    b = await _replica(nursery, "b", calls, answer=True)
+    client = RelayClient([a, b], ssl.create_default_context())
     with pytest.raises(ControlError) as unavailable:
         await client.forward(_request())
     assert unavailable.value.code == "UNAVAILABLE"
-    assert calls == ["a.example"]  # b never saw it: a may still be judging it
+    assert calls == ["a"]  # b never saw it: a may still be judging it
     answer = await client.forward(_request())  # the retry goes to the next one
-    assert (answer.status, answer.body, calls[-1]) == (200, b"signed", "b.example")
+    assert (answer.status, answer.body, calls[-1]) == (200, b"signed", "b")
     await client.aclose()
 
 
-async def test_a_call_that_never_reached_a_replica_moves_to_the_next() -> None:
+async def test_a_call_that_never_reached_a_replica_moves_to_the_next(
+    nursery: trio.Nursery,
+) -> None:
     calls: list[str] = []
-
-    def handler(request: httpx.Request) -> Any:
-        calls.append(request.url.host)
-        if request.url.host == "a.example":
-            raise httpx.ConnectError("refused", request=request)
-        return httpx.Response(200, stream=httpx.ByteStream(b"signed"))
-
-    client = RelayClient(
-        ["https://a.example", "https://b.example"],
-        ssl.create_default_context(),
-        transport=httpx.MockTransport(handler),
-    )
+    b = await _replica(nursery, "b", calls, answer=True)
+    client = RelayClient([_closed_port(), b], ssl.create_default_context())
     answer = await client.forward(_request())
-    assert (answer.status, calls) == (200, ["a.example", "b.example"])
+    assert (answer.status, answer.body, calls) == (200, b"signed", ["b"])
     await client.aclose()

@@ -1,0 +1,217 @@
+"""Instructions and statements per join and per renewal through ``NodeCalls.handle``.
+
+Run from the repository root::
+
+    .venv/bin/python bench/nodecalls.py [--store sqlite|postgres|both] [--cpu N]
+
+It prints figures and judges nothing; it is not part of the test suite.
+
+What the API side of the control plane does for one node call, in process, without
+TLS or HTTP: :class:`control.gateway.NodeCalls` (the dispatch, the worker-thread
+hop, the live-certificate and rate checks of a renewal), JoinService or
+RenewService, their transactions, on a SQLite file or a fresh PostgreSQL schema
+(``BCD_TEST_PG``). For each store it prints:
+
+- **statements** per join and per renewal, as the store's transactions run them,
+  and the transactions (on PostgreSQL each adds two round trips, its ``BEGIN``,
+  which carries the ``compute_now()`` read, and its ``COMMIT``);
+- **instructions** per join and per renewal of this process (valgrind's callgrind,
+  the difference of 4 and 24 operations over 20: the same from run to run; the
+  PostgreSQL server's own work is not in it);
+- with ``--cpu N``: CPU ms per operation over N operations (``time.process_time``;
+  moves with the machine's load), and the PostgreSQL backend's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import psycopg  # noqa: E402
+import trio  # noqa: E402
+
+from bench.common import PG_URL, callgrind_instructions, pg_backends_cpu_s  # noqa: E402
+from control import pki as cpki  # noqa: E402
+from control.gateway import NodeCalls  # noqa: E402
+from control.http import Request  # noqa: E402
+from control.store import Store, open_store  # noqa: E402
+from tests.e2e import TRUST_DOMAIN  # noqa: E402
+
+SMALL, LARGE = 4, 24
+WARMUP = 8
+APP = "bcdnodecalls"
+
+
+@contextlib.contextmanager
+def store_of(kind: str, tmp: Path) -> Iterator[Store]:
+    if kind == "sqlite":
+        store = open_store(f"sqlite:///{tmp / 'nodecalls.db'}")
+        try:
+            yield store
+        finally:
+            store.close()
+        return
+    schema = f"nc_{secrets.token_hex(6)}"
+    with psycopg.connect(PG_URL, autocommit=True) as conn:
+        conn.execute(f"CREATE SCHEMA {schema}")
+    store = open_store(f"{PG_URL}?options=-csearch_path%3D{schema}&application_name={APP}")
+    try:
+        yield store
+    finally:
+        store.close()
+        with psycopg.connect(PG_URL, autocommit=True) as conn:
+            conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+class World:
+    """Joins and renewals ready to send: ``n`` of each after a warm-up."""
+
+    def __init__(self, store: Store, n: int) -> None:
+        from control import tokens
+        from tests.world.joins import join_body, machine
+        from tests.world.renewals import make_env
+
+        store.migrate()
+        env = make_env(store, cpki.build_pki(TRUST_DOMAIN, datetime.now(UTC)))
+        self.calls = NodeCalls(store, env.joins, env.renewals, trio.CapacityLimiter(8))
+        with store.tx() as tx:
+            created = tokens.create(tx, env.tenant, env.pool, max_uses=n + WARMUP, ttl_s=3600)
+        token = str(created["token"])
+
+        enc = env.pki.join_encryption_key.public_key()
+        self.joins = [join_body(token, enc, machine(10_000 + i)).body for i in range(n + WARMUP)]
+        nodes = [env.join(i) for i in range(n + WARMUP)]
+        self.renewals = [(env.body(node).body, node.der) for node in nodes]
+
+    def join(self, i: int) -> Request:
+        return Request("POST", "/v1/join", {}, {}, self.joins[i], None, "127.0.0.1:4000")
+
+    def renew(self, i: int) -> Request:
+        body, der = self.renewals[i]
+        return Request("POST", "/v1/renew", {}, {}, body, der, "127.0.0.1:4000")
+
+    def run(self, what: str, start: int, stop: int) -> None:
+        async def go() -> None:
+            for i in range(start, stop):
+                req = self.join(i) if what == "join" else self.renew(i)
+                answer = await self.calls.handle(req)
+                if answer.status != 200:
+                    raise RuntimeError(f"{what} {i}: {answer.status} {answer.body[:200]!r}")
+
+        trio.run(go)
+
+
+def count_statements(store: Store, world: World, what: str, i: int) -> list[str]:
+    seen: list[str] = []
+    tx_class: Any
+    if store.dialect == "sqlite":
+        from control.store.sqlite import _SqliteTx as tx_class
+    else:
+        from control.store.postgres import _PgTx as tx_class
+    execute, query = tx_class.execute, tx_class.query
+
+    def counted_execute(self: Any, sql: str, params: Any = ()) -> int:
+        seen.append(sql)
+        return execute(self, sql, params)  # type: ignore[no-any-return]
+
+    def counted_query(self: Any, sql: str, params: Any = ()) -> list[Any]:
+        seen.append(sql)
+        return query(self, sql, params)  # type: ignore[no-any-return]
+
+    tx_class.execute, tx_class.query = counted_execute, counted_query
+    txs = [0]
+    inner = type(store)._tx
+
+    @contextlib.contextmanager
+    def counted_tx(self: Any) -> Iterator[Any]:
+        txs[0] += 1
+        with inner(self) as tx:
+            yield tx
+
+    type(store)._tx = counted_tx  # type: ignore[method-assign]
+    try:
+        world.run(what, i, i + 1)
+    finally:
+        tx_class.execute, tx_class.query = execute, query
+        type(store)._tx = inner  # type: ignore[method-assign]
+    return [f"{txs[0]} transactions", *seen]
+
+
+def callgrind_child(kind: str, what: str, n: int) -> None:
+    with (
+        tempfile.TemporaryDirectory(prefix="bcd-nodecalls-") as name,
+        store_of(kind, Path(name)) as store,
+    ):
+        world = World(store, LARGE)
+        world.run("join", 0, WARMUP)
+        world.run("renew", 0, WARMUP)
+        world.run(what, WARMUP, WARMUP + n)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--store", choices=("sqlite", "postgres", "both"), default="both")
+    parser.add_argument("--cpu", type=int, default=0, help="also CPU per op over N ops")
+    parser.add_argument("--no-instructions", action="store_true")
+    parser.add_argument("--callgrind", nargs=3, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.callgrind:
+        kind, what, n = args.callgrind
+        callgrind_child(kind, what, int(n))
+        return 0
+    kinds = ["sqlite", "postgres"] if args.store == "both" else [args.store]
+    for kind in kinds:
+        print(f"\n[{kind}]")
+        with (
+            tempfile.TemporaryDirectory(prefix="bcd-nodecalls-") as name,
+            store_of(kind, Path(name)) as store,
+        ):
+            world = World(store, max(args.cpu, 1))
+            world.run("join", 0, WARMUP)
+            world.run("renew", 0, WARMUP)
+            for what in ("join", "renew"):
+                seen = count_statements(store, world, what, WARMUP)
+                print(f"  one {what}: {seen[0]}, {len(seen) - 1} statements")
+                for sql in seen[1:]:
+                    print(f"      {' '.join(sql.split())[:100]}")
+            if args.cpu:
+                for what in ("join", "renew"):
+                    pg0 = pg_backends_cpu_s(APP) if kind == "postgres" else None
+                    start = time.process_time()
+                    world.run(what, WARMUP + 1, WARMUP + 1 + args.cpu - 1)
+                    ms = (time.process_time() - start) * 1000 / (args.cpu - 1)
+                    extra = ""
+                    if pg0 is not None:
+                        pg1 = pg_backends_cpu_s(APP) or {}
+                        pg = sum(v - pg0.get(k, 0.0) for k, v in pg1.items())
+                        extra = f", PostgreSQL backend {pg * 1000 / (args.cpu - 1):.3f} ms"
+                    print(f"  CPU per {what}: {ms:.3f} ms{extra}")
+        if not args.no_instructions:
+            script = str(Path(__file__).resolve())
+            for what in ("join", "renew"):
+                runs = [
+                    callgrind_instructions([script, "--callgrind", kind, what, str(n)])
+                    for n in (SMALL, LARGE)
+                ]
+                if runs[0] is None or runs[1] is None:
+                    print("  instructions: callgrind not usable")
+                    continue
+                per = (runs[1] - runs[0]) / (LARGE - SMALL)
+                print(f"  instructions per {what}: {per / 1e6:.2f} M")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
