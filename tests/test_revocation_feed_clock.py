@@ -25,8 +25,8 @@ from control.gateway import REVOCATION_POLL_S, SESSION_OPEN_MAX_S, Gateway, inli
 from control.http import Request, Response, error_response
 from control.joinservice import notice_signer, revoke_node_certs
 from control.pki import Pki
-from control.store import open_store
-from tests.world.joins import machine, make_world
+from control.store import Store, open_store
+from tests.world.joins import World, machine, make_world
 
 QUIET_S = 5.3  # several polls with nothing to find, ending between two of them
 
@@ -54,28 +54,50 @@ async def _no_upstream(req: Request) -> Response:
     return error_response("NOT_FOUND", "no upstream in this test")
 
 
-def test_a_revocation_reaches_the_session_within_one_poll_interval(
-    store_url: str, memory_pki: Pki
-) -> None:
+def _mock_world(store_url: str, memory_pki: Pki) -> tuple[trio.testing.MockClock, Store, World]:
+    """A store on a mock clock (its time moves with the event loop's) and a world."""
     mock = trio.testing.MockClock(autojump_threshold=0)
     store = open_store(store_url, clock=TrioClock(mock, int(time.time() * 1000)))
     store.migrate()
-    world = make_world(store, memory_pki)
+    return mock, store, make_world(store, memory_pki)
+
+
+def _joined(world: World) -> tuple[str, bytes, str]:
+    """A node joined in ``world``: its id, its leaf's DER and serial."""
     joined = world.join(world.body(world.mint(), machine(1)))
-    node_id = joined["node_id"]
     leaf = bpki.load_pem_chain(joined["chain"])[0]
-    der = leaf.public_bytes(serialization.Encoding.DER)
-    serial = format(leaf.serial_number, "x")
+    return (joined["node_id"], leaf.public_bytes(serialization.Encoding.DER),
+            format(leaf.serial_number, "x"))  # fmt: skip
+
+
+def _revoke(store: Store, world: World, memory_pki: Pki, node_id: str) -> None:
+    """Revoke the node's certificates in the store, as another replica would."""
+    with store.tx() as tx:
+        revoke_node_certs(
+            tx, world.tenant, node_id, "operator", notice_signer(memory_pki.join_signing_key)
+        )
+
+
+def _gateway(store: Store) -> Gateway:
+    """A gateway whose store calls run on the loop (the mock clock's autojump)."""
+    return Gateway(
+        store,
+        upstream=_no_upstream,
+        limiter=trio.CapacityLimiter(4),
+        ping_interval_s=3_600.0,
+        offload=inline,
+    )
+
+
+def test_a_revocation_reaches_the_session_within_one_poll_interval(
+    store_url: str, memory_pki: Pki
+) -> None:
+    mock, store, world = _mock_world(store_url, memory_pki)
+    node_id, der, serial = _joined(world)
     seen: dict[str, Any] = {}
 
     async def main() -> None:
-        gateway = Gateway(
-            store,
-            upstream=_no_upstream,
-            limiter=trio.CapacityLimiter(4),
-            ping_interval_s=3_600.0,
-            offload=inline,
-        )
+        gateway = _gateway(store)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gateway.revocation_poller)
             response = await gateway.handle(_session_request(node_id, der))
@@ -87,14 +109,7 @@ def test_a_revocation_reaches_the_session_within_one_poll_interval(
             nursery.start_soon(_pump, response.stream, send)
             assert json.loads(await lines.receive())["type"] == "welcome"
             await trio.sleep(QUIET_S)  # the polls run, and find nothing to send
-            with store.tx() as tx:  # another replica revokes: nobody pokes this gateway
-                revoke_node_certs(
-                    tx,
-                    world.tenant,
-                    node_id,
-                    "operator",
-                    notice_signer(memory_pki.join_signing_key),
-                )
+            _revoke(store, world, memory_pki, node_id)  # another replica: nobody pokes
             revoked_at = trio.current_time()
             with trio.fail_after(10 * REVOCATION_POLL_S):
                 line = json.loads(await lines.receive())
@@ -131,39 +146,19 @@ def test_a_revocation_made_while_a_session_opens_still_reaches_it(
     """The certificate is found live, then revoked (by another replica), and the poller
     finds the revocation before the session's answer starts (no session to tell yet):
     the session still gets the notice, right after its welcome, and ends."""
-    mock = trio.testing.MockClock(autojump_threshold=0)
-    store = open_store(store_url, clock=TrioClock(mock, int(time.time() * 1000)))
-    store.migrate()
-    world = make_world(store, memory_pki)
-    joined = world.join(world.body(world.mint(), machine(1)))
-    node_id = joined["node_id"]
-    leaf = bpki.load_pem_chain(joined["chain"])[0]
-    der = leaf.public_bytes(serialization.Encoding.DER)
-    serial = format(leaf.serial_number, "x")
+    mock, store, world = _mock_world(store_url, memory_pki)
+    node_id, der, serial = _joined(world)
     lines: list[Any] = []
 
     async def main() -> None:
-        gateway = Gateway(
-            store,
-            upstream=_no_upstream,
-            limiter=trio.CapacityLimiter(4),
-            ping_interval_s=3_600.0,
-            offload=inline,
-        )
+        gateway = _gateway(store)
         async with trio.open_nursery() as nursery:
             nursery.start_soon(gateway.revocation_poller)
             await trio.sleep(2 * REVOCATION_POLL_S)
             response = await gateway.handle(_session_request(node_id, der))
             assert response.status == 200  # checked live: the answer is not started yet
             assert response.stream is not None
-            with store.tx() as tx:
-                revoke_node_certs(
-                    tx,
-                    world.tenant,
-                    node_id,
-                    "operator",
-                    notice_signer(memory_pki.join_signing_key),
-                )
+            _revoke(store, world, memory_pki, node_id)
             await trio.sleep(3 * REVOCATION_POLL_S)  # the poller finds it: no session yet
             assert serial in gateway._revoked
             send, receive = trio.open_memory_channel[Any](16)
@@ -188,25 +183,14 @@ def test_a_session_checked_too_long_before_its_answer_starts_ends_at_once(
     """A session whose answer starts more than SESSION_OPEN_MAX_S after its certificate
     was checked gets its welcome and a clean end of stream: its node redials and is
     checked again."""
-    mock = trio.testing.MockClock(autojump_threshold=0)
-    store = open_store(store_url, clock=TrioClock(mock, int(time.time() * 1000)))
-    store.migrate()
-    world = make_world(store, memory_pki)
-    joined = world.join(world.body(world.mint(), machine(1)))
-    leaf = bpki.load_pem_chain(joined["chain"])[0]
-    der = leaf.public_bytes(serialization.Encoding.DER)
+    mock, store, world = _mock_world(store_url, memory_pki)
+    node_id, der, _serial = _joined(world)
     kinds: list[Any] = []
 
     async def main() -> None:
-        gateway = Gateway(
-            store,
-            upstream=_no_upstream,
-            limiter=trio.CapacityLimiter(4),
-            ping_interval_s=3_600.0,
-            offload=inline,
-        )
+        gateway = _gateway(store)
         for delay in (0.0, SESSION_OPEN_MAX_S + 1):
-            response = await gateway.handle(_session_request(joined["node_id"], der))
+            response = await gateway.handle(_session_request(node_id, der))
             assert response.stream is not None
             await trio.sleep(delay)
             stream = response.stream.__aiter__()
