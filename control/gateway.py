@@ -63,7 +63,7 @@ SESSION_OPEN_MAX_S = 30.0
 """A session whose answer starts more than this after its certificate was checked
 ends at once, after its welcome, with a clean end of stream (its node redials and is
 checked again); the revocations the poller found are kept at least this long, so
-one committed between a session's check and its start still reaches it."""
+one committed between a session's check and its start still ends it."""
 T = TypeVar("T")
 _DRAIN: dict[str, Any] = {"type": "drain"}  # never sent: ends the stream
 _PING: dict[str, Any] = {"type": "ping"}  # sent as _PING_LINE, encoded once
@@ -296,10 +296,10 @@ class Gateway:
     _ends_closed: int = field(default=0, init=False)
     """How many sessions in ``_ends`` are closed (compacted when they are half)."""
     _ends_seq: Any = field(default_factory=itertools.count, init=False)
-    _revoked: dict[str, tuple[int, float, dict[str, Any]]] = field(default_factory=dict, init=False)
-    """serial → (revoked_at, when the poller found it, the notice line) of the
-    revocations found lately: a session registered after its revocation was found
-    gets the notice at once (:meth:`_register`)."""
+    _revoked: dict[str, tuple[int, float]] = field(default_factory=dict, init=False)
+    """serial → (revoked_at, when the poller found it) of the revocations found lately:
+    a session registered after its revocation was found ends at once
+    (:meth:`_register`)."""
 
     def __post_init__(self) -> None:
         self._slots = [set() for _ in range(PING_SLOTS)]
@@ -374,8 +374,8 @@ class Gateway:
     async def _session(self, req: Request) -> Response:
         if self.draining:
             raise ControlError("UNAVAILABLE", "this gateway is shutting down", retry_after_ms=1_000)
+        checked_at = trio.current_time()  # before the check reads the store
         peer = await _live_peer(self.store, self.limiter, req, self.offload)
-        checked_at = trio.current_time()
         node_id, serial = peer.node_id, peer.serial
         try:
             hello = wire.parse_hello(wire.loads_object(req.body))
@@ -411,29 +411,32 @@ class Gateway:
         """Put a new session in the indexes the pinger, the revocation poller and the
         replacement rule read; :meth:`_stream`'s finally takes it out of them.
 
-        Its certificate was found live some time ago: a revocation the poller found
-        since then (it found no session to tell) is queued for it now. On the event
-        loop, with no wait between the two, so a revocation is either found by the
-        poller after this (the session is in ``sessions``) or was found before it (it
-        is in ``_revoked``, kept SESSION_OPEN_MAX_S at least)."""
+        Its certificate was found live some time ago: if the poller has found its
+        revocation since (with no session to tell), the session ends after its welcome
+        with a clean end of stream, and its node's next dial is answered
+        UNAUTHENTICATED with the signed notice. On the event loop, with no wait between
+        the two, so a revocation is either found by the poller after this (the session
+        is in ``sessions``) or was found before it: after ``checked_at``, which is
+        taken before the check reads the store, so it is still in ``_revoked``, kept
+        SESSION_OPEN_MAX_S at least, and a session registered later than that ends
+        anyway. Its certificate's end counts from ``checked_at`` too."""
         # the slot pinged last: its next ping is a whole interval away
         session.slot = (self._slot_next - 1) % PING_SLOTS
         self._slots[session.slot].add(session)
         heapq.heappush(
-            self._ends, (trio.current_time() + session.ends_in_s, next(self._ends_seq), session)
+            self._ends, (session.checked_at + session.ends_in_s, next(self._ends_seq), session)
         )
         self._replace_older(session)
         self.sessions.setdefault(session.serial, []).append(session)
         self.by_node.setdefault(session.node_id, []).append(session)
-        found = self._revoked.get(session.serial)
-        if found is not None and self._tell(session, found[2]):
-            self.metrics.revocations_pushed.inc()
+        if session.serial in self._revoked and self._tell(session, _DRAIN):
             log.info(
-                "revocation of %s pushed to a session of %s that opened as it was made",
-                session.serial,
+                "a session of %s opened as its certificate %s was revoked: ended, so its "
+                "node redials and is told",
                 session.node_id,
-                extra={"event": "revocation.pushed", "node_id": session.node_id,
-                       "serial": session.serial, "reason": found[2]["reason"]},
+                session.serial,
+                extra={"event": "session.revoked_at_open", "node_id": session.node_id,
+                       "serial": session.serial},
             )  # fmt: skip
 
     async def _stream(
@@ -569,7 +572,7 @@ class Gateway:
                     "serial": row["serial"],
                     "notice": row["revoke_notice"],  # signed where it was revoked
                 }
-                seen[row["serial"]] = (at, found_at, notice)
+                seen[row["serial"]] = (at, found_at)
                 for session in list(self.sessions.get(row["serial"], [])):
                     try:
                         session.send.send_nowait(notice)
@@ -588,7 +591,7 @@ class Gateway:
                                "serial": row["serial"], "reason": notice["reason"],
                                "latency_s": max(0, now_ms - at) / 1000},
                     )  # fmt: skip
-            for serial, (at, found, _notice) in list(seen.items()):
+            for serial, (at, found) in list(seen.items()):
                 if at < mark - 1000 and found_at - found > SESSION_OPEN_MAX_S:
                     del seen[serial]
 

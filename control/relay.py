@@ -20,11 +20,14 @@ token sealed to a key the gateway does not hold, bound to the CSR it was sealed
 with; a renewal still needs the node key's proof of possession.
 
 Several upstreams are tried in turn (``--api-upstream``, repeatable), starting with
-the last one that answered: a connection or TLS failure, a reset, or no whole answer
-within :data:`ATTEMPT_S` moves the call to the next. A call is retried on another replica even when the first may
-have committed it: a join is answered again for the same CSR (JoinService's lost
-answer rule), a renewal issues another certificate within the 6 an hour, a vouch
-refreshes. When none answers: ``UNAVAILABLE`` with ``retry-pushback-ms``.
+the last one that answered. Only a call that never reached a replica (a connection
+or TLS failure, no free connection within :data:`POOL_TIMEOUT_S`) moves to the next
+one. A call that may have reached one (a reset or a close after it was sent, no
+whole answer within :data:`ATTEMPT_S`) is never sent to another, since the first may
+still be judging it: it is answered ``UNAVAILABLE`` with ``retry-pushback-ms`` and the
+next upstream becomes the preferred one; the node's own retry, with the same CSR,
+is answered again by JoinService's lost-answer rule. When none answers:
+``UNAVAILABLE`` with ``retry-pushback-ms``.
 """
 
 from __future__ import annotations
@@ -59,6 +62,7 @@ MAX_PEER_CERT_B64 = 8 * 1024
 MAX_REMOTE = 64
 NONE_UP_PUSHBACK_MS = 1_000
 CONNECT_TIMEOUT_S = 3.0
+POOL_TIMEOUT_S = 3.0  # no free connection: nothing was sent, so the next replica may take it
 CALL_TIMEOUT_S = 35.0  # httpcore's, per read or write
 KEEPALIVE_S = 5.0  # an idle connection to a replica is closed after this
 ATTEMPT_S = 12.0  # one upstream's whole answer; then the next one, within the node's 30 s
@@ -69,7 +73,9 @@ _PASSED_HEADERS = ("content-type", "retry-pushback-ms")
 def client_context(bundle: GatewayBundle) -> ssl.SSLContext:
     """The relay's TLS client: the serving CA is the only trust anchor, the relay
     certificate is presented, host names are checked."""
-    ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cadata=bundle.serving_ca_pem)
+    # not create_default_context: it would write the TLS secrets to $SSLKEYLOGFILE
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, host names checked
+    ctx.load_verify_locations(cadata=bundle.serving_ca_pem)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     load_chain(ctx, bundle.relay_chain_pem, bundle.relay_key)
     return ctx
@@ -198,7 +204,7 @@ _TIMEOUTS = {
     "connect": CONNECT_TIMEOUT_S,
     "read": CALL_TIMEOUT_S,
     "write": CALL_TIMEOUT_S,
-    "pool": CALL_TIMEOUT_S,
+    "pool": POOL_TIMEOUT_S,
 }
 _HEALTH_TIMEOUTS = dict.fromkeys(("connect", "read", "write", "pool"), HEALTH_TIMEOUT_S)
 

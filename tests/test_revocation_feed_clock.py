@@ -140,12 +140,13 @@ def test_a_revocation_reaches_the_session_within_one_poll_interval(
     assert body["notice"] == line["notice"]
 
 
-def test_a_revocation_made_while_a_session_opens_still_reaches_it(
+def test_a_revocation_made_while_a_session_opens_still_ends_it(
     store_url: str, memory_pki: Pki
 ) -> None:
     """The certificate is found live, then revoked (by another replica), and the poller
     finds the revocation before the session's answer starts (no session to tell yet):
-    the session still gets the notice, right after its welcome, and ends."""
+    the session still ends, right after its welcome, and its node's next dial is
+    answered UNAUTHENTICATED with the signed notice."""
     mock, store, world = _mock_world(store_url, memory_pki)
     node_id, der, serial = _joined(world)
     lines: list[Any] = []
@@ -168,12 +169,16 @@ def test_a_revocation_made_while_a_session_opens_still_reaches_it(
                     lines.append(json.loads(chunk))
             lines.append(None)
             assert gateway.sessions == {}
+            again = await gateway.handle(_session_request(node_id, der))  # the redial
+            lines.append((again.status, json.loads(again.body)))
             nursery.cancel_scope.cancel()
 
     trio.run(main, clock=mock)
     store.close()
-    assert [line and line["type"] for line in lines] == ["welcome", "revocation", None]
-    notice = wire.verify_revocation_notice(lines[1]["notice"], world.signing_pin, node_id, [serial])
+    assert [line and line["type"] for line in lines[:2]] == ["welcome", None]
+    status, body = lines[2]
+    assert (status, body["code"], body["reason"]) == (401, "UNAUTHENTICATED", "revoked")
+    notice = wire.verify_revocation_notice(body["notice"], world.signing_pin, node_id, [serial])
     assert notice.serial == serial
 
 
