@@ -561,39 +561,61 @@ class Gateway:
                 log.info("revocation poll: the database answers again; caught up")
             store_down = False
             found_at = trio.current_time()
+            told: list[tuple[Row, list[_Session]]] = []
             for row in rows:
                 at = int(row["revoked_at"])
                 since = max(since, at)
                 if row["serial"] in seen:
                     continue
-                notice = {
-                    "type": "revocation",
-                    "reason": row["revoke_reason"] or "revoked",
-                    "serial": row["serial"],
-                    "notice": row["revoke_notice"],  # signed where it was revoked
-                }
                 seen[row["serial"]] = (at, found_at)
-                for session in list(self.sessions.get(row["serial"], [])):
-                    try:
-                        session.send.send_nowait(notice)
-                    except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
-                        log.warning(
-                            "could not deliver a revocation to a session of %s", session.node_id
-                        )
-                        continue
-                    self.metrics.revocations_pushed.inc()
-                    self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)
-                    log.info(
-                        "revocation of %s pushed to a session of %s",
-                        row["serial"],
-                        session.node_id,
-                        extra={"event": "revocation.pushed", "node_id": session.node_id,
-                               "serial": row["serial"], "reason": notice["reason"],
-                               "latency_s": max(0, now_ms - at) / 1000},
-                    )  # fmt: skip
+                if row["serial"] in self.sessions:
+                    told.append((row, list(self.sessions[row["serial"]])))
+            if told:
+                await self._tell_revoked(told, now_ms)
             for serial, (at, found) in list(seen.items()):
                 if at < mark - 1000 and found_at - found > SESSION_OPEN_MAX_S:
                     del seen[serial]
+
+    async def _tell_revoked(self, told: list[tuple[Row, list[_Session]]], now_ms: int) -> None:
+        """Push each revoked serial's signed notice to the sessions held of it (read
+        now, for these serials only). Without them (the database does not answer, no
+        notice stored), the sessions end: each node's redial is answered
+        UNAUTHENTICATED with the notice. A session registered meanwhile ends at its
+        registration (``_revoked``)."""
+        try:
+            notices = await self._run(
+                lambda tx: renewal.revoke_notices(tx, [str(row["serial"]) for row, _ in told])
+            )
+        except StoreUnavailable:
+            log.warning("revocation poll: the database is unavailable; ending the sessions")
+            notices = {}
+        except Exception:
+            log.exception("revocation poll: could not read the notices; ending the sessions")
+            notices = {}
+        for row, sessions in told:
+            at = int(row["revoked_at"])
+            signed = notices.get(str(row["serial"]))
+            notice = {
+                "type": "revocation",
+                "reason": row["revoke_reason"] or "revoked",
+                "serial": row["serial"],
+                "notice": signed,  # signed where it was revoked
+            }
+            for session in sessions:
+                if not self._tell(session, notice if signed is not None else _DRAIN):
+                    log.warning("could not deliver a revocation to a session of %s",
+                                session.node_id)  # fmt: skip
+                    continue
+                self.metrics.revocations_pushed.inc()
+                self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)
+                log.info(
+                    "revocation of %s pushed to a session of %s",
+                    row["serial"],
+                    session.node_id,
+                    extra={"event": "revocation.pushed", "node_id": session.node_id,
+                           "serial": row["serial"], "reason": notice["reason"],
+                           "latency_s": max(0, now_ms - at) / 1000},
+                )  # fmt: skip
 
 
 def _revoked_and_now(tx: Tx, since_ms: int) -> tuple[list[Row], int]:

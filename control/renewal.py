@@ -31,6 +31,7 @@ stored one, so the row lock on the node is held briefly.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -352,10 +353,33 @@ def revoked_since(tx: Tx, since_ms: int) -> list[Row]:
     ``revoked_at`` is the revoking transaction's ``compute_now()`` (its start), so a
     revocation can commit after a later-stamped one was already read. A poller
     should ask again from (its previous poll's start - REVOKED_SINCE_OVERLAP_MS)
-    and skip serials it already handled.
+    and skip serials it already handled. The signed notices are not read here (about
+    1 KB each, read again by every poll of the window): :func:`revoke_notices` reads
+    those of the serials a gateway holds a session of.
     """
     return tx.query(
-        "SELECT serial, node_id, revoke_reason, revoked_at, revoke_notice FROM node_certs "
+        "SELECT serial, node_id, revoke_reason, revoked_at FROM node_certs "
         "WHERE revoked_at IS NOT NULL AND revoked_at > ? ORDER BY revoked_at, serial",
         (since_ms,),
     )
+
+
+MAX_NOTICES_READ = 500
+""":func:`revoke_notices` reads at most this many serials' notices a statement."""
+
+
+def revoke_notices(tx: Tx, serials: Sequence[str]) -> dict[str, str | None]:
+    """serial → its signed revocation notice (None: none was stored), for revoked
+    certificates among ``serials``."""
+    out: dict[str, str | None] = {}
+    for start in range(0, len(serials), MAX_NOTICES_READ):
+        part = list(serials[start : start + MAX_NOTICES_READ])
+        marks = ", ".join("?" * len(part))
+        for row in tx.query(
+            "SELECT serial, revoke_notice FROM node_certs "
+            f"WHERE serial IN ({marks}) AND revoked_at IS NOT NULL",
+            part,
+        ):
+            notice = row["revoke_notice"]
+            out[str(row["serial"])] = None if notice is None else str(notice)
+    return out

@@ -39,6 +39,7 @@ from control.renewal import (
     check_renew_rate,
     peer_status,
     proof_sha256,
+    revoke_notices,
     revoked_since,
 )
 from control.store import Store
@@ -576,11 +577,14 @@ def test_revoked_since_lists_revocations_after_a_time(env: Env) -> None:
     with env.store.tx() as tx:
         got = revoked_since(tx, start)
     assert {r["serial"] for r in got} == {a.serial, renewed_a.serial}
+    with env.store.tx() as tx:
+        notices = revoke_notices(tx, [r["serial"] for r in got] + [b.serial, "ff"])
+    assert set(notices) == {a.serial, renewed_a.serial}  # b is live, ff no certificate
     for r in got:
-        assert set(r) == {"serial", "node_id", "revoke_reason", "revoked_at", "revoke_notice"}
+        assert set(r) == {"serial", "node_id", "revoke_reason", "revoked_at"}
         assert (r["node_id"], r["revoke_reason"]) == (a.node_id, "key compromised")
         notice = wire.verify_revocation_notice(
-            r["revoke_notice"], env.pin, a.node_id, [r["serial"]]
+            notices[r["serial"]], env.pin, a.node_id, [r["serial"]]
         )  # signed where it was revoked, for the gateways to push as it is
         assert notice.reason == "key compromised"
         assert r["revoked_at"] > start
