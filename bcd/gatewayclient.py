@@ -67,6 +67,14 @@ def _head_over(exc: BaseException) -> bool:
     return False
 
 
+_CLOSED_EARLY = ("peer closed connection", "Server disconnected")
+"""How h11 and httpcore word a connection the peer closed before its answer ended."""
+
+
+def _closed_early(exc: BaseException) -> bool:
+    return any(str(inner).startswith(_CLOSED_EARLY) for inner in _chain(exc))
+
+
 def _connect_reason(exc: BaseException) -> tuple[bool, str]:
     """(whether TLS failed, a short reason) for a failed connect of httpx's own transport."""
     for inner in _chain(exc):
@@ -110,6 +118,10 @@ def _translate(
         if _head_over(exc):
             raise TransportError(
                 f"{name} sent an HTTP head or chunk header over {MAX_HEAD} bytes"
+            ) from exc
+        if _closed_early(exc):  # a gateway killed mid-stream: not a malformed answer
+            raise TransportError(
+                f"the connection to {name} closed before the answer ended"
             ) from exc
         raise TransportError(f"{name} sent a malformed HTTP response") from exc
     except (httpx.LocalProtocolError, httpcore.LocalProtocolError) as exc:
@@ -410,7 +422,9 @@ async def fetch_url(
     if parts.scheme not in ("http", "https") or not hostname:
         raise TransportError("the URL is not an http:// or https:// URL")
     where = f"{hostname}:{port or (443 if parts.scheme == 'https' else 80)}"
-    ctx = ssl.create_default_context()
+    # not create_default_context: it would write the TLS secrets to $SSLKEYLOGFILE
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, host names checked
+    ctx.load_default_certs()
     ctx.set_alpn_protocols(["http/1.1"])
     transport = httpx.AsyncHTTPTransport(verify=ctx, retries=0, trust_env=False)
     async with httpx.AsyncClient(

@@ -14,8 +14,9 @@ be 0); ``tests/test_fleet_sim.py`` runs it small and checks only that outcome.
 api --relay-listen``) and G gateways (``serve --role gateway``), each with its own
 PostgreSQL ``application_name`` so the CPU of its backends reads apart, on a fresh
 schema dropped afterwards. Certificates are short (``--cert-ttl-seconds``, default
-1800 s) and the gateways ping every ``--session-ping-seconds`` (default 2 s, instead
-of 15) so a run sees several pings.
+1800 s) and the gateways ping every ``--session-ping-seconds`` (``--ping-seconds``,
+default 2 s up to N = 1,400, N/700 s above, at most 45 s; production pings every 15 s)
+so a run sees several pings and the simulators keep up with them.
 
 **The nodes.** P simulator processes (this file with ``--worker``), each holding N/P
 nodes. A node is a real bcd identity: its own P-256 key and certificate from a real
@@ -39,7 +40,7 @@ gateway admits at most 1,024 connections per source address.
 1. *join storm*: N joins, C at a time per simulator process, on P*C join tokens (a
    token's row is locked for the whole of its join) with ``maxUses``, over the pools
    of ``--sites`` sites;
-2. *sessions*: every node opens its session (C opening at a time per process), then all
+2. *sessions*: every node opens its session (4*C opening at a time per process), then all
    are held ``--steady-pings`` ping intervals: the gateways' RSS growth over the
    sessions and their CPU per session-second;
 3. *renewal wave*: every node renews once (C at a time per process), its session staying
@@ -48,8 +49,21 @@ gateway admits at most 1,024 connections per source address.
    (4 calls at a time); latency from the call to the moment the node's session task
    raised ``CertificateRevoked`` (the signed revocation line); no other session may drop;
 5. *gateway restart*: ``kill -9`` of gw1; its nodes redial with bcd's backoff, through
-   the others; the time until every live node holds a session again and the reconnect
-   rate over time.
+   the others; the time until each of the sessions gw1 held (counted by the simulators
+   before the kill) was lost and every live node holds a session again, and the
+   reconnect rate over time.
+
+A simulator process is N/P machines on part of two shared cores: a node's session dial
+(the first and every redial) waits for one of 4*C slots of its process, held until the
+welcome or the failure, so that the 1/G of the fleet redialling after a kill does not
+make every handshake of the process slower than the gateway's 5 s handshake timeout
+(each would fail: the simulator would measure its own CPU). A redial waiting longer than
+bcd's 15 s connect timeout fails as "timed out" and backs off, having done no work. A
+simulator's event loop running over a second late, or a garbage collection over 0.5 s,
+is logged (``BCD_FLEET_LOG=WARNING``): a simulator starved that long makes its
+handshakes outlast the gateway's timeout, and under TLS 1.3 a client's handshake is
+over before the gateway has read its certificate, so the node sees "the connection to
+… broke" at its first read (what the renewal wave retries).
 
 CPU: utime + stime from ``/proc`` of the API replica, each gateway and their PostgreSQL
 backends, over each phase; PostgreSQL transactions are ``pg_stat_database``'s
@@ -63,11 +77,14 @@ from __future__ import annotations
 import argparse
 import contextlib
 import contextvars
+import gc
 import itertools
 import json
+import logging
 import math
 import os
 import random
+import resource
 import signal
 import socket
 import subprocess
@@ -76,7 +93,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -112,6 +129,7 @@ from bench.replicas import Meter, Roles, Spent, bench_fleet, pct  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out"
 TICK_S = 0.25
+DIAL_SLOTS = 4  # session dials at a time per simulator process, times --concurrency
 RENEW_TRIES = 3
 SAMPLE_S = 0.5
 FILE_LIMIT = 20_000
@@ -121,7 +139,10 @@ PHASES = ("join", "sessions", "steady", "renewal", "revocation", "restart")
 
 # --- the simulator process ------------------------------------------------------------
 
+log = logging.getLogger("fleet")
 SOURCE: contextvars.ContextVar[str | None] = contextvars.ContextVar("source", default=None)
+SESSION: contextvars.ContextVar[SimNode | None] = contextvars.ContextVar("session", default=None)
+"""The node whose session task is dialling (unset in joins and renewals)."""
 
 
 def source_address(i: int) -> str:
@@ -150,10 +171,11 @@ class SourceSockets(trio.abc.SocketFactory):
 class Balancer(trio.abc.HostnameResolver):
     """``gw<k>.fleet`` is gateway k while it lives, else the live ones in turn."""
 
-    def __init__(self, ports: list[int]) -> None:
+    def __init__(self, ports: list[int], gate: Callable[[], Awaitable[None]] | None = None) -> None:
         self.ports = ports
         self.dead: set[int] = set()
         self._turn = 0
+        self.gate = gate
 
     async def getaddrinfo(
         self,
@@ -167,6 +189,8 @@ class Balancer(trio.abc.HostnameResolver):
         name = host.decode() if isinstance(host, bytes) else str(host)
         if not (name.startswith("gw") and name.endswith(".fleet")):
             raise socket.gaierror(socket.EAI_NONAME, f"unknown host {name}")
+        if self.gate is not None:
+            await self.gate()
         k = int(name[2:].split(".", 1)[0])
         if k in self.dead:
             live = [g for g in range(len(self.ports)) if g not in self.dead]
@@ -189,6 +213,7 @@ class SimNode:
     node_id: str = ""
     up: bool = False
     revoked: bool = False
+    dialing: bool = False  # holds one of the simulator's session-dial slots
 
 
 @dataclass
@@ -214,7 +239,7 @@ def emit(doc: dict[str, Any]) -> None:
 class Simulator:
     def __init__(self, spec: dict[str, Any]) -> None:
         self.spec = spec
-        self.balancer = Balancer(spec["ports"])
+        self.balancer = Balancer(spec["ports"], self._dial_slot)
         self.c = Counters()
         home = Path(spec["home"])
         gateways = len(spec["ports"])
@@ -239,6 +264,25 @@ class Simulator:
         ]
         self.signing_pin = spec["pins"]["join_signing_key_pin"]
         self.concurrency = int(spec["concurrency"])
+        self.dials = trio.Semaphore(DIAL_SLOTS * self.concurrency)
+
+    async def _dial_slot(self) -> None:
+        """A session's dial waits for one of DIAL_SLOTS * ``concurrency`` slots, held until
+        its welcome or its failure (``hold``'s watcher). A real node dials on its own
+        machine; here N/P nodes share one process, and thousands of handshakes at once (a
+        gateway's nodes after its kill) would each take longer than the gateway's 5 s
+        handshake timeout: every one would fail, the simulator measuring its own CPU. 64
+        handshakes at a time (about 5 ms of simulator CPU each) stay far within it."""
+        node = SESSION.get()
+        if node is None or node.dialing:
+            return
+        await self.dials.acquire()
+        node.dialing = True
+
+    def _dial_done(self, node: SimNode) -> None:
+        if node.dialing:
+            node.dialing = False
+            self.dials.release()
 
     def counts(self) -> dict[str, Any]:
         c = self.c
@@ -248,9 +292,15 @@ class Simulator:
         }  # fmt: skip
 
     async def ticker(self) -> None:
+        """The counters every TICK_S; a warning when this process's event loop ran more
+        than a second late (it is starved: what it measures is its own CPU)."""
         while True:
             emit({"ev": "tick", "t": time.monotonic(), **self.counts()})
+            due = time.monotonic() + TICK_S
             await trio.sleep(TICK_S)
+            late = time.monotonic() - due
+            if late > 1.0:
+                log.warning("the simulator's event loop ran %.1f s late", late)
 
     async def each(self, work: Callable[[SimNode], Any]) -> None:
         """``work`` on every node, ``concurrency`` at a time, each in its node's address."""
@@ -296,17 +346,18 @@ class Simulator:
 
         await self.each(one)
 
-    async def hold(self, node: SimNode, opening: trio.Semaphore) -> None:
-        """Node's session, as bcd node keeps it; note welcomes, losses, the revocation."""
+    async def hold(self, node: SimNode) -> None:
+        """Node's session, as bcd node keeps it; note welcomes, losses, the revocation.
+        Each dial takes a slot of ``_dial_slot``: the first one here, so no timeout of
+        bcd runs while it waits; a redial inside bcd's connect timeout (15 s), so a
+        redial that waits longer fails as "timed out" and backs off (it did no work)."""
         SOURCE.set(node.source)
-        await opening.acquire()
-        released = False
+        SESSION.set(node)
+        await self.dials.acquire()
+        node.dialing = True
 
         async def watch(up: bool) -> None:
-            nonlocal released
-            if not released:
-                released = True
-                opening.release()
+            self._dial_done(node)
             if up and not node.up:
                 node.up = True
                 self.c.up += 1
@@ -333,8 +384,7 @@ class Simulator:
             if node.up:
                 node.up = False
                 self.c.up -= 1
-            if not released:
-                opening.release()
+            self._dial_done(node)
 
     async def renew(self) -> None:
         async def one(node: SimNode) -> None:
@@ -345,6 +395,7 @@ class Simulator:
             # retries a broken connection up to RENEW_TRIES times after 2 s, 4 s, and
             # reports how many it retried apart from the errors
             for attempt in range(1, RENEW_TRIES + 1):
+                began = time.monotonic()
                 try:
                     node.state = await renew_once(
                         state,
@@ -359,6 +410,8 @@ class Simulator:
                         self.c.error("renewal", f"{type(exc).__name__}: {exc}")
                         return
                     self.c.error("retried renewal", f"{type(exc).__name__}: {exc}")
+                    log.warning("renewal of %s from %s failed after %.2f s (%s); retrying",
+                                node.node_id, node.source, time.monotonic() - began, exc)  # fmt: skip
                     await trio.sleep(2.0 * attempt)
                 except BcdError as exc:
                     self.c.error("renewal", f"{type(exc).__name__}: {exc}")
@@ -388,32 +441,71 @@ class Simulator:
                 what = cmd["cmd"]
                 if what == "join":
                     await self.join(cmd["tokens"], cmd["encryption_jwk"])
+                    settle()
                     nodes = [[n.i, n.node_id] for n in self.nodes if n.node_id]
                     emit({"ev": "done", "cmd": what, "nodes": nodes, "errors": self.c.errors})
                 elif what == "sessions":
-                    opening = trio.Semaphore(self.concurrency)
                     for node in self.nodes:
                         if node.state is not None:
-                            nursery.start_soon(self.hold, node, opening)
+                            nursery.start_soon(self.hold, node)
                     emit({"ev": "done", "cmd": what})
                 elif what == "renew":
+                    settle()  # the sessions opened since the join
                     await self.renew()
+                    settle()
                     emit({"ev": "done", "cmd": what, "errors": self.c.errors})
-                elif what == "dead":
-                    self.balancer.dead.add(int(cmd["gateway"]))
-                    emit({"ev": "done", "cmd": what})
+                elif what == "dead":  # before the kill: the nodes whose session it holds
+                    dead = int(cmd["gateway"])
+                    self.balancer.dead.add(dead)
+                    held = sum(1 for n in self.nodes if n.up and n.cfg is self.cfgs[dead])
+                    emit({"ev": "done", "cmd": what, "held": held, **self.counts()})
                 elif what == "stop":
                     emit({"ev": "done", "cmd": what, "errors": self.c.errors})
                     nursery.cancel_scope.cancel()
                     return
 
 
+def raise_file_limit() -> int:
+    """This process's open-file limit raised to its hard limit (a simulator process
+    holds a socket per node); the limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    return resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
+def settle() -> None:
+    """Collect, then freeze what is left (``gc.freeze``): between phases, never inside
+    one. The nodes' states and sessions live the whole run; left in the oldest
+    generation, every full collection walks them all, and at N = 20,000 (6,700 nodes a
+    process, a loaded machine) each stopped the simulator 4 to 8 s during the renewal
+    wave: longer than the gateway's 5 s handshake timeout, so every renewal handshake in
+    flight failed."""
+    gc.collect()
+    gc.freeze()
+
+
+def _log_slow_collections() -> None:
+    """A warning for each garbage collection that stopped this process over 0.5 s."""
+    began = [0.0]
+
+    def timed(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            began[0] = time.monotonic()
+        elif (took := time.monotonic() - began[0]) > 0.5:
+            log.warning("a generation-%d collection took %.1f s", info["generation"], took)
+
+    gc.callbacks.append(timed)
+
+
 def worker_main() -> int:
-    import logging
+    raise_file_limit()
 
     # bcd's own warnings, 10,000 times over: only with BCD_FLEET_LOG=INFO (or WARNING)
     level = os.environ.get("BCD_FLEET_LOG", "CRITICAL")
     logging.basicConfig(level=level, format="%(relativeCreated)d %(name)s %(message)s")
+    _log_slow_collections()
     spec = json.loads(sys.stdin.readline())
     trio.run(Simulator(spec).run)
     return 0
@@ -716,12 +808,21 @@ class Run:
         return sum(w.count(key) for w in self.workers)
 
     def wait_for(self, cond: Callable[[], bool], timeout: float) -> bool:
+        """Poll ``cond`` until true or ``timeout``; the counters printed every 15 s."""
         deadline = time.monotonic() + timeout
+        shown = time.monotonic()
         while time.monotonic() < deadline:
             if cond():
                 return True
+            if time.monotonic() - shown >= 15.0:
+                shown = time.monotonic()
+                self.progress()
             time.sleep(0.05)
         return cond()
+
+    def progress(self) -> None:
+        keys = ("joined", "renewed", "up", "losses", "revoked")
+        print("  … " + ", ".join(f"{k} {self.total(k)}" for k in keys), flush=True)
 
     def broadcast(self, cmd: str, timeout: float, **fields: Any) -> list[dict[str, Any]]:
         for w in self.workers:
@@ -740,8 +841,7 @@ class Run:
                 except RuntimeError:
                     if time.monotonic() >= deadline or w.proc.poll() is not None:
                         raise
-                    keys = ("joined", "renewed", "up", "losses", "revoked")
-                    print("  … " + ", ".join(f"{k} {self.total(k)}" for k in keys), flush=True)
+                    self.progress()
         return answers
 
 
@@ -867,14 +967,21 @@ def phase_revocation(run: Run, nodes: dict[int, str], count: int, timeout: float
 
 
 def phase_restart(run: Run, expected: int, timeout: float) -> Phase:
+    """``kill -9`` of gw1; the time until each of its nodes lost its session and every
+    live node holds one again. The simulators count gw1's sessions before the kill
+    (and send their later redials to the others), so a stale count cannot end the
+    phase before the nodes even noticed."""
     victim = "gw1"
     gw = run.roles.fleet.gateways[0]
+    run.wait_for(lambda: run.total("up") >= expected, 30)
     phase = run.begin("restart")
-    before = run.total("up")
+    answers = run.broadcast("dead", 30, gateway=0)
+    held = sum(int(a["held"]) for a in answers)
+    before = sum(int(a["up"]) for a in answers)
+    losses = sum(int(a["losses"]) for a in answers)
     gw.proc.send_signal(signal.SIGKILL)
     gw.proc.wait(10)
     killed_at = time.monotonic()
-    run.broadcast("dead", 30, gateway=0)
     run.roles.pids.pop(victim)
     run.roles.apps.pop(victim)
     low = [before]
@@ -882,12 +989,14 @@ def phase_restart(run: Run, expected: int, timeout: float) -> Phase:
     def all_back() -> bool:
         up = run.total("up")
         low[0] = min(low[0], up)
-        return low[0] < before and up >= expected
+        return run.total("losses") - losses >= held and up >= expected
 
     ok = run.wait_for(all_back, timeout)
     back = time.monotonic() - killed_at
-    phase = run.end(phase, 0 if ok else expected - run.total("up"))
-    phase.detail.update(time_to_all_s=back if ok else None, sessions_before=before, min_up=low[0])
+    phase = run.end(phase, 0 if ok else max(expected - run.total("up"), 1))
+    phase.detail.update(
+        time_to_all_s=back if ok else None, sessions_before=before, min_up=low[0], held=held
+    )
     return phase
 
 
@@ -997,7 +1106,8 @@ def figures(
         "revocation_from_return_p99_ms": (
             pct(rev.detail["from_return_s"], 0.99) * 1000 if lat else None
         ),
-        "reconnect_nodes": restart.detail["sessions_before"] - restart.detail["min_up"],
+        "reconnect_nodes": restart.detail["held"],
+        "reconnect_min_up": restart.detail["min_up"],
         "reconnect_time_s": restart.detail["time_to_all_s"],
         "reconnect_peak_cpu_cores": max(in_restart, default=0.0),
         "reconnect_rate_per_s": [(round(t, 2), round(r, 1)) for t, r in reconnects],
@@ -1063,9 +1173,13 @@ def print_figures(fig: dict[str, Any]) -> None:
             value = {k: round(v, 3) if isinstance(v, float) else v for k, v in value.items()}
         print(f"  {key:<34} {value}")
     rates = fig["reconnect_rate_per_s"]
-    if rates:
-        print("  reconnects/s after the kill (s: rate): " + ", ".join(
-            f"{t:g}: {r:g}" for t, r in rates[:40]))  # fmt: skip
+    if rates:  # at most 30 spans of the phase, each its mean rate
+        span = max(SAMPLE_S, rates[-1][0] / 30)
+        spans: dict[int, list[float]] = {}
+        for t, r in rates:
+            spans.setdefault(int(t // span), []).append(r)
+        print(f"  reconnects/s after the kill (from s: mean rate over {span:.1f} s): " + ", ".join(
+            f"{k * span:.0f}: {sum(v) / len(v):.0f}" for k, v in sorted(spans.items())))  # fmt: skip
 
 
 def print_extrapolation(fig: dict[str, Any], target: int = 100_000) -> None:
@@ -1094,6 +1208,23 @@ def print_extrapolation(fig: dict[str, Any], target: int = 100_000) -> None:
 # --- main ---------------------------------------------------------------------------
 
 
+PINGS_PER_S = 700
+"""What the simulator processes receive per second, at most, by the default ping
+interval: about 0.25 ms of simulator CPU a ping (bcd's session code, httpx, TLS; N =
+10,000), so a fifth of a core. At a 2 s ping N = 10,000 (5,000 pings/s) starved two
+simulator processes on this shared machine until no new session opened."""
+
+
+def ping_default(n: int) -> float:
+    """2 s for a small fleet, longer for a large one (N/700 s, at most 45 s: a node drops
+    a session after 50 s without a byte); production pings every 15 s."""
+    return round(max(2.0, min(45.0, n / PINGS_PER_S)), 1)
+
+
+def _exit_on_signal(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def split(n: int, parts: int) -> list[list[int]]:
     return [list(range(p, n, parts)) for p in range(parts)]
 
@@ -1106,7 +1237,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gateways", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=16, help="per simulator process")
     parser.add_argument("--sites", type=int, default=4)
-    parser.add_argument("--ping-seconds", type=float, default=2.0)
+    parser.add_argument(
+        "--ping-seconds",
+        type=float,
+        default=None,
+        help="the gateways' ping interval (default: N/700 s within 2 to 45 s)",
+    )
     parser.add_argument("--steady-pings", type=int, default=3)
     parser.add_argument("--cert-ttl", type=int, default=1800)
     parser.add_argument("--revocations", type=int, default=None)
@@ -1128,6 +1264,16 @@ def main(argv: list[str] | None = None) -> int:
     if n / (args.gateways - 1) > GATEWAY_SESSIONS_MAX:
         parser.error(f"after a gateway dies the others hold {GATEWAY_SESSIONS_MAX} each at most")
     revocations = args.revocations if args.revocations is not None else min(200, n // 10)
+    if args.ping_seconds is None:
+        args.ping_seconds = ping_default(n)
+    files = raise_file_limit()
+    if n / args.procs + 256 > files:
+        parser.error(f"{math.ceil(n / args.procs)} nodes per simulator process: the open-file "
+                     f"limit is {files}")  # fmt: skip
+    # the cleanup below (simulators, gateways, the schema) also on SIGTERM, and on
+    # SIGINT where a shell's background job would ignore it
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
 
     print_environment()
     from bench.join import crypto_floor
@@ -1152,12 +1298,15 @@ def main(argv: list[str] | None = None) -> int:
         }
         print(f"crypto floor (bench/join.py, bench/renew.py): {floors['join']:.3f} ms/join, "
               f"{floors['renewal']:.3f} ms/renewal")  # fmt: skip
+        # the gateways' access log and failed handshakes with BCD_FLEET_GW_LOG=debug
+        gateway_flags = ["--session-ping-seconds", str(args.ping_seconds),
+                         "--log-level", os.environ.get("BCD_FLEET_GW_LOG", "info")]  # fmt: skip
         with bench_fleet(
             tmp / "fleet",
             template,
             args.gateways,
             api_extra=["--cert-ttl-seconds", str(args.cert_ttl)],
-            gateway_extra=["--session-ping-seconds", str(args.ping_seconds)],
+            gateway_extra=gateway_flags,
         ) as roles:
             api = roles.fleet.api
             pins = api.pins()

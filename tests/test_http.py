@@ -572,3 +572,62 @@ async def test_no_decompression_and_no_redirect(server: Server) -> None:
         moved = await client.request("GET", "/moved")
     assert moved.status == 302  # judged by the caller, never followed
     assert [r.path for r in server.requests] == ["/gzip", "/moved"]
+
+
+# --- a gateway that goes away mid-answer ------------------------------------------
+
+
+async def _raw_gateway(nursery: trio.Nursery, answer: bytes) -> GatewayClient:
+    """A plain-TCP peer that reads a request head, writes ``answer`` and closes (a
+    gateway killed mid-answer), and a GatewayClient to it over a plain dial."""
+
+    async def peer(tcp: trio.SocketStream) -> None:
+        got = b""
+        while b"\r\n\r\n" not in got:
+            got += await tcp.receive_some(65536)
+        head, _, body = got.partition(b"\r\n\r\n")
+        length = next(int(v) for k, _, v in (ln.partition(b":") for ln in head.split(b"\r\n"))
+                      if k.strip().lower() == b"content-length")  # fmt: skip
+        while len(body) < length:  # the whole request read: the close is a FIN, not a reset
+            body += await tcp.receive_some(65536)
+        await tcp.send_all(answer)
+        await tcp.aclose()
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, peer, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+
+    async def dial(host: str, p: int) -> trio.abc.Stream:
+        return await trio.open_tcp_stream(host, p)
+
+    return GatewayClient(DialTransport(dial), host="127.0.0.1", port=port, server_name="gw.test")
+
+
+async def test_a_stream_cut_mid_answer_is_a_closed_connection(nursery: trio.Nursery) -> None:
+    head = b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+    ping = b'{"type":"ping"}\n'
+    client = await _raw_gateway(nursery, head + b"%x\r\n%s\r\n" % (len(ping), ping))
+    seen: list[bytes] = []
+
+    async def read_all() -> None:
+        async with client, client.stream_lines("POST", "/v1/session", b"{}") as lines:
+            async for line in lines:
+                seen.append(line)
+
+    with pytest.raises(TransportError, match="closed before the answer ended") as caught:
+        await read_all()
+    assert seen == [ping.strip()]
+    assert "malformed" not in str(caught.value)
+
+
+async def test_no_answer_at_all_is_a_closed_connection(nursery: trio.Nursery) -> None:
+    client = await _raw_gateway(nursery, b"")
+    async with client:
+        with pytest.raises(TransportError, match="closed before the answer ended"):
+            await client.post("/v1/renew", b"{}")
+
+
+async def test_a_malformed_answer_is_still_malformed(nursery: trio.Nursery) -> None:
+    client = await _raw_gateway(nursery, b"NOT HTTP AT ALL\r\n\r\n")
+    async with client:
+        with pytest.raises(TransportError, match="sent a malformed HTTP response"):
+            await client.post("/v1/renew", b"{}")
