@@ -472,6 +472,7 @@ class Gateway:
                     return
         finally:
             session.closed = True
+            receive.close()  # what is told to it from now on is refused, not counted
             self._slots[session.slot].discard(session)
             if not session.expired:  # still in the heap, until its end or a compaction
                 self._ends_closed += 1
@@ -547,8 +548,11 @@ class Gateway:
             # transaction can last, so one committed late is still found; ``seen``
             # keeps a revocation from being sent twice.
             mark = since - renewal.REVOKED_SINCE_OVERLAP_MS
+            held = frozenset(self.sessions)  # the serials whose notices are read too
             try:
-                rows, now_ms = await self._run(functools.partial(_revoked_and_now, since_ms=mark))
+                rows, notices, now_ms = await self._run(
+                    functools.partial(_revoked_and_now, since_ms=mark, held=held)
+                )
             except StoreUnavailable:  # catch up from ``since`` once it answers again
                 if not store_down:
                     log.warning("revocation poll: the database is unavailable; retrying")
@@ -561,66 +565,63 @@ class Gateway:
                 log.info("revocation poll: the database answers again; caught up")
             store_down = False
             found_at = trio.current_time()
-            told: list[tuple[Row, list[_Session]]] = []
             for row in rows:
                 at = int(row["revoked_at"])
                 since = max(since, at)
                 if row["serial"] in seen:
                     continue
                 seen[row["serial"]] = (at, found_at)
-                if row["serial"] in self.sessions:
-                    told.append((row, list(self.sessions[row["serial"]])))
-            if told:
-                await self._tell_revoked(told, now_ms)
+                for session in list(self.sessions.get(row["serial"], [])):
+                    self._tell_revoked(session, row, notices.get(str(row["serial"])), now_ms)
             for serial, (at, found) in list(seen.items()):
                 if at < mark - 1000 and found_at - found > SESSION_OPEN_MAX_S:
                     del seen[serial]
 
-    async def _tell_revoked(self, told: list[tuple[Row, list[_Session]]], now_ms: int) -> None:
-        """Push each revoked serial's signed notice to the sessions held of it (read
-        now, for these serials only). Without them (the database does not answer, no
-        notice stored), the sessions end: each node's redial is answered
-        UNAUTHENTICATED with the notice. A session registered meanwhile ends at its
-        registration (``_revoked``)."""
-        try:
-            notices = await self._run(
-                lambda tx: renewal.revoke_notices(tx, [str(row["serial"]) for row, _ in told])
-            )
-        except StoreUnavailable:
-            log.warning("revocation poll: the database is unavailable; ending the sessions")
-            notices = {}
-        except Exception:
-            log.exception("revocation poll: could not read the notices; ending the sessions")
-            notices = {}
-        for row, sessions in told:
-            at = int(row["revoked_at"])
-            signed = notices.get(str(row["serial"]))
-            notice = {
-                "type": "revocation",
-                "reason": row["revoke_reason"] or "revoked",
-                "serial": row["serial"],
-                "notice": signed,  # signed where it was revoked
-            }
-            for session in sessions:
-                if not self._tell(session, notice if signed is not None else _DRAIN):
-                    log.warning("could not deliver a revocation to a session of %s",
-                                session.node_id)  # fmt: skip
-                    continue
-                self.metrics.revocations_pushed.inc()
-                self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)
+    def _tell_revoked(self, session: _Session, row: Row, signed: str | None, now_ms: int) -> None:
+        """Push the revocation's signed notice to a session; without one (the session
+        opened while the poll read the store, or none is stored) end the session: its
+        node's redial is answered UNAUTHENTICATED with the notice."""
+        at = int(row["revoked_at"])
+        if signed is None:
+            if self._tell(session, _DRAIN):
                 log.info(
-                    "revocation of %s pushed to a session of %s",
-                    row["serial"],
+                    "a session of %s ended: its certificate %s was revoked",
                     session.node_id,
-                    extra={"event": "revocation.pushed", "node_id": session.node_id,
-                           "serial": row["serial"], "reason": notice["reason"],
-                           "latency_s": max(0, now_ms - at) / 1000},
+                    row["serial"],
+                    extra={"event": "revocation.session_ended", "node_id": session.node_id,
+                           "serial": row["serial"]},
                 )  # fmt: skip
+            return
+        notice = {
+            "type": "revocation",
+            "reason": row["revoke_reason"] or "revoked",
+            "serial": row["serial"],
+            "notice": signed,  # signed where it was revoked
+        }
+        if not self._tell(session, notice):
+            log.warning("could not deliver a revocation to a session of %s", session.node_id)
+            return
+        self.metrics.revocations_pushed.inc()
+        self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)
+        log.info(
+            "revocation of %s pushed to a session of %s",
+            row["serial"],
+            session.node_id,
+            extra={"event": "revocation.pushed", "node_id": session.node_id,
+                   "serial": row["serial"], "reason": notice["reason"],
+                   "latency_s": max(0, now_ms - at) / 1000},
+        )  # fmt: skip
 
 
-def _revoked_and_now(tx: Tx, since_ms: int) -> tuple[list[Row], int]:
-    """The revocations since ``since_ms`` and the database's time (delivery latency)."""
-    return renewal.revoked_since(tx, since_ms=since_ms), tx.now_ms()
+def _revoked_and_now(
+    tx: Tx, since_ms: int, held: frozenset[str]
+) -> tuple[list[Row], dict[str, str | None], int]:
+    """The revocations since ``since_ms``, the signed notices of those among ``held``
+    (the serials this gateway holds sessions of), and the database's time (delivery
+    latency): one transaction, so a store that goes away cannot come between them."""
+    rows = renewal.revoked_since(tx, since_ms=since_ms)
+    notices = renewal.revoke_notices(tx, [str(r["serial"]) for r in rows if r["serial"] in held])
+    return rows, notices, tx.now_ms()
 
 
 def peer_host(remote: str) -> str | None:

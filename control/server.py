@@ -70,8 +70,9 @@ DRAIN_S = 30.0
 # per node; the relay takes a few gateways' pools; the tenant API, operators' calls.
 LIMITS = {
     "gateway": Limits(max_connections=16_000, max_per_source=1_024, idle_timeout=30.0),
-    # 64 per gateway's relay pool: 16 gateways behind one address (a NAT)
-    "relay": Limits(max_connections=2_048, max_per_source=1_024),
+    # 64 per gateway's relay pool: 8 gateways behind one address (a NAT), and at
+    # least four sources to fill the listener (the file limit caps the total)
+    "relay": Limits(max_connections=2_048, max_per_source=512),
     "api": Limits(max_connections=1_024, max_per_source=128),
     "metrics": Limits(max_connections=64, max_per_source=16),
 }

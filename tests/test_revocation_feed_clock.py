@@ -11,9 +11,11 @@ the autojump never runs while a worker thread holds the store.
 from __future__ import annotations
 
 import json
+import logging
 import time
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 from cryptography.hazmat.primitives import serialization
@@ -214,3 +216,38 @@ def test_a_session_checked_too_long_before_its_answer_starts_ends_at_once(
     trio.run(main, clock=mock)
     store.close()
     assert kinds == ["welcome", "open", "welcome", "end"]
+
+
+def test_a_revoked_session_without_a_notice_to_push_ends(
+    store_url: str, memory_pki: Pki, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A revoked certificate whose row holds no signed notice: the session is not sent
+    a revocation line it could not check, it ends with a clean end of stream (its node
+    redials and is refused), logged as ``revocation.session_ended``, not as pushed."""
+    mock, store, world = _mock_world(store_url, memory_pki)
+    node_id, der, serial = _joined(world)
+    lines: list[Any] = []
+
+    async def main() -> None:
+        gateway = _gateway(store)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(gateway.revocation_poller)
+            response = await gateway.handle(_session_request(node_id, der))
+            assert response.stream is not None
+            send, receive = trio.open_memory_channel[Any](16)
+            nursery.start_soon(_pump, response.stream, send)
+            lines.append(json.loads(await receive.receive())["type"])
+            _revoke(store, world, memory_pki, node_id)
+            with store.tx() as tx:
+                tx.execute("UPDATE node_certs SET revoke_notice = NULL WHERE serial = ?", (serial,))
+            with trio.fail_after(5 * REVOCATION_POLL_S):
+                lines.append(await receive.receive())
+            nursery.cancel_scope.cancel()
+
+    with caplog.at_level(logging.INFO, logger="control.gateway"):
+        trio.run(main, clock=mock)
+    store.close()
+    assert lines == ["welcome", None]
+    events = [getattr(r, "event", None) for r in caplog.records]
+    assert "revocation.session_ended" in events
+    assert "revocation.pushed" not in events
