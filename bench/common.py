@@ -46,6 +46,7 @@ from bcd.errors import BcdError
 from bcd.gatewayclient import GatewayClient
 from bcd.tls import Anchor, probe_anchor
 from bcd.transport import pinned_transport
+from control.store import Store, Tx, open_store
 from tests.fakesys import random_mac
 
 PG_URL = os.environ.get("BCD_TEST_PG", "postgresql://postgres@127.0.0.1:5432/test")
@@ -102,6 +103,58 @@ def store_url(kind: str, tmp: Path, app_name: str) -> Iterator[str]:
     finally:
         with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
             conn.execute(f"DROP SCHEMA {schema} CASCADE")
+
+
+@contextlib.contextmanager
+def opened_store(kind: str, tmp: Path, app_name: str) -> Iterator[Store]:
+    """:func:`store_url`'s fresh database, opened (and closed at the end)."""
+    with store_url(kind, tmp, app_name) as url:
+        store = open_store(url)
+        try:
+            yield store
+        finally:
+            store.close()
+
+
+@dataclass
+class Recorded:
+    """The statements (their SQL texts) and transactions a store ran while recorded."""
+
+    statements: list[str] = field(default_factory=list)
+    transactions: int = 0
+
+
+@contextlib.contextmanager
+def recorded_statements(store: Store) -> Iterator[Recorded]:
+    """Record every statement and transaction of ``store`` (all its connections) until
+    the block ends: its dialect's ``Tx.execute`` / ``query`` and ``Store._tx`` wrapped,
+    and put back afterwards. A bench's count, never a test's."""
+    recorded = Recorded()
+    with store.tx() as tx:  # the dialect's Tx class
+        tx_class = type(tx)
+    execute, query, inner = tx_class.execute, tx_class.query, type(store)._tx
+
+    def counted_execute(self: Tx, sql: str, params: Any = ()) -> int:
+        recorded.statements.append(sql)
+        return execute(self, sql, params)
+
+    def counted_query(self: Tx, sql: str, params: Any = ()) -> list[Any]:
+        recorded.statements.append(sql)
+        return query(self, sql, params)
+
+    @contextlib.contextmanager
+    def counted_tx(self: Store) -> Iterator[Tx]:
+        recorded.transactions += 1
+        with inner(self) as tx:
+            yield tx
+
+    tx_class.execute, tx_class.query = counted_execute, counted_query  # type: ignore[method-assign]
+    type(store)._tx = counted_tx  # type: ignore[method-assign]
+    try:
+        yield recorded
+    finally:
+        tx_class.execute, tx_class.query = execute, query  # type: ignore[method-assign]
+        type(store)._tx = inner  # type: ignore[method-assign]
 
 
 # --- join request bodies ------------------------------------------------------------

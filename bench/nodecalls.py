@@ -25,54 +25,33 @@ RenewService, their transactions, on a SQLite file or a fresh PostgreSQL schema
 from __future__ import annotations
 
 import argparse
-import contextlib
-import secrets
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import psycopg  # noqa: E402
 import trio  # noqa: E402
 
-from bench.common import PG_URL, callgrind_instructions, pg_backends_cpu_s  # noqa: E402
+from bench.common import (  # noqa: E402
+    callgrind_instructions,
+    opened_store,
+    pg_backends_cpu_s,
+    recorded_statements,
+)
 from control import pki as cpki  # noqa: E402
 from control.gateway import NodeCalls  # noqa: E402
 from control.http import Request  # noqa: E402
-from control.store import Store, open_store  # noqa: E402
+from control.store import Store  # noqa: E402
 from tests.e2e import TRUST_DOMAIN  # noqa: E402
 
 SMALL, LARGE = 4, 24
 WARMUP = 8
 APP = "bcdnodecalls"
-
-
-@contextlib.contextmanager
-def store_of(kind: str, tmp: Path) -> Iterator[Store]:
-    if kind == "sqlite":
-        store = open_store(f"sqlite:///{tmp / 'nodecalls.db'}")
-        try:
-            yield store
-        finally:
-            store.close()
-        return
-    schema = f"nc_{secrets.token_hex(6)}"
-    with psycopg.connect(PG_URL, autocommit=True) as conn:
-        conn.execute(f"CREATE SCHEMA {schema}")
-    store = open_store(f"{PG_URL}?options=-csearch_path%3D{schema}&application_name={APP}")
-    try:
-        yield store
-    finally:
-        store.close()
-        with psycopg.connect(PG_URL, autocommit=True) as conn:
-            conn.execute(f"DROP SCHEMA {schema} CASCADE")
 
 
 class World:
@@ -113,46 +92,10 @@ class World:
         trio.run(go)
 
 
-def count_statements(store: Store, world: World, what: str, i: int) -> list[str]:
-    seen: list[str] = []
-    tx_class: Any
-    if store.dialect == "sqlite":
-        from control.store.sqlite import _SqliteTx as tx_class
-    else:
-        from control.store.postgres import _PgTx as tx_class
-    execute, query = tx_class.execute, tx_class.query
-
-    def counted_execute(self: Any, sql: str, params: Any = ()) -> int:
-        seen.append(sql)
-        return execute(self, sql, params)  # type: ignore[no-any-return]
-
-    def counted_query(self: Any, sql: str, params: Any = ()) -> list[Any]:
-        seen.append(sql)
-        return query(self, sql, params)  # type: ignore[no-any-return]
-
-    tx_class.execute, tx_class.query = counted_execute, counted_query
-    txs = [0]
-    inner = type(store)._tx
-
-    @contextlib.contextmanager
-    def counted_tx(self: Any) -> Iterator[Any]:
-        txs[0] += 1
-        with inner(self) as tx:
-            yield tx
-
-    type(store)._tx = counted_tx  # type: ignore[method-assign]
-    try:
-        world.run(what, i, i + 1)
-    finally:
-        tx_class.execute, tx_class.query = execute, query
-        type(store)._tx = inner  # type: ignore[method-assign]
-    return [f"{txs[0]} transactions", *seen]
-
-
 def callgrind_child(kind: str, what: str, n: int) -> None:
     with (
         tempfile.TemporaryDirectory(prefix="bcd-nodecalls-") as name,
-        store_of(kind, Path(name)) as store,
+        opened_store(kind, Path(name), APP) as store,
     ):
         world = World(store, LARGE)
         world.run("join", 0, WARMUP)
@@ -176,15 +119,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\n[{kind}]")
         with (
             tempfile.TemporaryDirectory(prefix="bcd-nodecalls-") as name,
-            store_of(kind, Path(name)) as store,
+            opened_store(kind, Path(name), APP) as store,
         ):
             world = World(store, max(args.cpu, 1))
             world.run("join", 0, WARMUP)
             world.run("renew", 0, WARMUP)
             for what in ("join", "renew"):
-                seen = count_statements(store, world, what, WARMUP)
-                print(f"  one {what}: {seen[0]}, {len(seen) - 1} statements")
-                for sql in seen[1:]:
+                with recorded_statements(store) as seen:
+                    world.run(what, WARMUP, WARMUP + 1)
+                print(f"  one {what}: {seen.transactions} transactions, "
+                      f"{len(seen.statements)} statements")  # fmt: skip
+                for sql in seen.statements:
                     print(f"      {' '.join(sql.split())[:100]}")
             if args.cpu:
                 for what in ("join", "renew"):

@@ -34,25 +34,27 @@ transaction, the read of the database's time included).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.common import pg_backends_cpu_s, print_environment, store_url  # noqa: E402
+from bench.common import (  # noqa: E402
+    opened_store,
+    pg_backends_cpu_s,
+    print_environment,
+    recorded_statements,
+)
 from control import nodefacts  # noqa: E402
 from control import pki as cpki  # noqa: E402
-from control.store import Store, open_store  # noqa: E402
-from control.store.base import Tx  # noqa: E402
+from control.store import Store  # noqa: E402
 
 APP_NAME = "bcd-bench-sightings"
 STALE_BY_MS = 600_000
@@ -68,42 +70,6 @@ class Phase:
     wall_s: float
     seen: int
     adopted: int
-
-
-class _Counted:
-    """Counts the statements of the store's transactions while it is open."""
-
-    def __init__(self) -> None:
-        self.count = 0
-        self._undo: list[tuple[type[Tx], str, Any]] = []
-
-    def patch(self, cls: type[Tx]) -> None:
-        for name in ("execute", "query"):
-            original = cls.__dict__[name]
-
-            def counted(tx: Tx, *args: Any, _original: Any = original) -> Any:
-                self.count += 1
-                return _original(tx, *args)
-
-            self._undo.append((cls, name, original))
-            setattr(cls, name, counted)
-
-    def undo(self) -> None:
-        for cls, name, original in reversed(self._undo):
-            setattr(cls, name, original)
-        self._undo.clear()
-
-
-@contextlib.contextmanager
-def counted_statements(store: Store) -> Iterator[_Counted]:
-    counter = _Counted()
-    with store.tx() as tx:  # the dialect's Tx class
-        cls = type(tx)
-    counter.patch(cls)
-    try:
-        yield counter
-    finally:
-        counter.undo()
 
 
 def _pg_cpu(kind: str) -> dict[int, float] | None:
@@ -127,7 +93,7 @@ def run_phase(
                 tx.execute(before_round)
         todo = reports(k)
         pg_before = _pg_cpu(kind)
-        with counted_statements(store) as counter:
+        with recorded_statements(store) as recorded:
             wall = time.perf_counter()
             cpu = time.process_time()
             for report in todo:
@@ -141,40 +107,36 @@ def run_phase(
         if pg_before is not None and pg_after is not None and phase.pg_cpu_s is not None:
             phase.pg_cpu_s += sum(v - pg_before.get(pid, 0.0) for pid, v in pg_after.items())
         phase.reports += len(todo)
-        phase.statements += counter.count
+        phase.statements += len(recorded.statements)
     return phase
 
 
 def run_store(kind: str, n: int, rounds: int, tmp: Path) -> list[Phase]:
     from tests.world.renewals import make_env
 
-    with store_url(kind, tmp, APP_NAME) as url:
-        store = open_store(url)
-        try:
-            store.migrate()
-            env = make_env(store, cpki.build_pki("bench.example", datetime.now(UTC)))
-            start = time.perf_counter()
-            serials = [env.join(i).serial for i in range(n)]
-            print(f"\n[{kind}] {n} nodes joined in {time.perf_counter() - start:.1f} s")
-            size = nodefacts.MAX_REPORT_SERIALS
-            groups = [serials[i : i + size] for i in range(0, n, size)]
+    with opened_store(kind, tmp, APP_NAME) as store:
+        store.migrate()
+        env = make_env(store, cpki.build_pki("bench.example", datetime.now(UTC)))
+        start = time.perf_counter()
+        serials = [env.join(i).serial for i in range(n)]
+        print(f"\n[{kind}] {n} nodes joined in {time.perf_counter() - start:.1f} s")
+        size = nodefacts.MAX_REPORT_SERIALS
+        groups = [serials[i : i + size] for i in range(0, n, size)]
 
-            def same(k: int) -> list[dict[str, str]]:
-                return [dict.fromkeys(g, "1.0.0") for g in groups]
+        def same(k: int) -> list[dict[str, str]]:
+            return [dict.fromkeys(g, "1.0.0") for g in groups]
 
-            def upgraded(k: int) -> list[dict[str, str]]:
-                return [dict.fromkeys(g, f"1.{k + 1}.0") for g in groups]
+        def upgraded(k: int) -> list[dict[str, str]]:
+            return [dict.fromkeys(g, f"1.{k + 1}.0") for g in groups]
 
-            fresh = "UPDATE nodes SET state = 'adopting', last_seen_at = NULL"
-            stale = f"UPDATE nodes SET last_seen_at = last_seen_at - {STALE_BY_MS}"
-            phases = [
-                run_phase("first Hello", kind, store, same, rounds, fresh),
-                run_phase("re-report", kind, store, same, rounds),
-                run_phase("stale", kind, store, same, rounds, stale),
-                run_phase("new version", kind, store, upgraded, rounds),
-            ]
-        finally:
-            store.close()
+        fresh = "UPDATE nodes SET state = 'adopting', last_seen_at = NULL"
+        stale = f"UPDATE nodes SET last_seen_at = last_seen_at - {STALE_BY_MS}"
+        phases = [
+            run_phase("first Hello", kind, store, same, rounds, fresh),
+            run_phase("re-report", kind, store, same, rounds),
+            run_phase("stale", kind, store, same, rounds, stale),
+            run_phase("new version", kind, store, upgraded, rounds),
+        ]
     return phases
 
 

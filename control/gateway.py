@@ -160,9 +160,7 @@ class NodeCalls:
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])
 
     async def _renew(self, req: Request) -> Response:
-        der = req.peer_cert_der
-        if der is None:
-            raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
+        der = client_certificate(req)
 
         def renew() -> str:
             """One worker-thread hop: the client certificate's liveness and the node's
@@ -192,7 +190,7 @@ class NodeCalls:
         ``pop_sig``): a relaying gateway sees the certificate, never the key, so the
         certificate alone does not vouch (docs/decisions.md).
         """
-        node_id, _serial = await live_peer(self.store, self.limiter, req)
+        node_id = (await live_peer(self.store, self.limiter, req)).node_id
         try:
             obj = wire.loads_object(req.body)
             proof = discovery.parse_vouch_proof(obj, node_id, req.peer_cert_der)
@@ -234,26 +232,22 @@ async def _in_tx(
     return await offload(work, limiter)
 
 
+def client_certificate(req: Request) -> bytes:
+    """The request's client certificate (DER), else UNAUTHENTICATED."""
+    if req.peer_cert_der is None:
+        raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
+    return req.peer_cert_der
+
+
 async def live_peer(
     store: Store,
     limiter: trio.CapacityLimiter,
     req: Request,
     offload: Offload = in_worker_thread,
-) -> tuple[str, str]:
-    """(node id, serial) of the request's client certificate, else UNAUTHENTICATED."""
-    peer = await _live_peer(store, limiter, req, offload)
-    return peer.node_id, peer.serial
-
-
-async def _live_peer(
-    store: Store,
-    limiter: trio.CapacityLimiter,
-    req: Request,
-    offload: Offload = in_worker_thread,
 ) -> renewal.LivePeer:
-    der = req.peer_cert_der
-    if der is None:
-        raise ControlError("UNAUTHENTICATED", "a node client certificate is required")
+    """The request's client certificate as a live node certificate, else
+    UNAUTHENTICATED (:func:`not_live`)."""
+    der = client_certificate(req)
     peer, details = await _in_tx(
         store, limiter, lambda tx: renewal.live_peer_or_details(tx, der), offload
     )
@@ -375,7 +369,7 @@ class Gateway:
         if self.draining:
             raise ControlError("UNAVAILABLE", "this gateway is shutting down", retry_after_ms=1_000)
         checked_at = trio.current_time()  # before the check reads the store
-        peer = await _live_peer(self.store, self.limiter, req, self.offload)
+        peer = await live_peer(self.store, self.limiter, req, self.offload)
         node_id, serial = peer.node_id, peer.serial
         try:
             hello = wire.parse_hello(wire.loads_object(req.body))

@@ -35,7 +35,7 @@ from typing import Any
 
 from control import events
 from control.errors import invalid
-from control.store import Tx
+from control.store import Tx, marks
 
 SESSIONS_PATH = "/v1/internal/sessions-seen"
 """The gateways' report of the sessions they hold (never a node's call)."""
@@ -86,10 +86,6 @@ def parse_report(obj: dict[str, Any]) -> dict[str, str]:
             if len(seen) > MAX_REPORT_SERIALS:
                 raise invalid(f"a report names at most {MAX_REPORT_SERIALS} serials")
     return seen
-
-
-def _marks(n: int) -> str:
-    return ", ".join("?" * n)
 
 
 @dataclass
@@ -145,7 +141,7 @@ def record_sessions(tx: Tx, seen: Mapping[str, str]) -> dict[str, int]:
         "SELECT c.serial, n.id, n.tenant_id, n.pool_id, n.state, n.identity_generation, "
         "n.daemon_version, n.last_seen_at "
         "FROM node_certs c JOIN nodes n ON n.id = c.node_id "
-        f"WHERE c.serial IN ({_marks(len(serials))}) AND c.revoked_at IS NULL "
+        f"WHERE c.serial IN ({marks(len(serials))}) AND c.revoked_at IS NULL "
         "AND c.not_after > ? AND n.retired_at IS NULL "
         "AND c.identity_generation = n.identity_generation",
         [*serials, now],
@@ -181,7 +177,7 @@ def record_sessions(tx: Tx, seen: Mapping[str, str]) -> dict[str, int]:
         ids = sorted(writes)
         locked = tx.query(
             "SELECT id, tenant_id, pool_id, state, identity_generation, daemon_version, "
-            f"last_seen_at, retired_at FROM nodes WHERE id IN ({_marks(len(ids))}) "
+            f"last_seen_at, retired_at FROM nodes WHERE id IN ({marks(len(ids))}) "
             "ORDER BY id" + tx.for_update,
             ids,
         )
@@ -207,7 +203,7 @@ def _adoptable_pools(tx: Tx, adopting: list[Mapping[str, Any]]) -> set[str]:
     pool_ids = sorted({str(r["pool_id"]) for r in adopting})
     out: set[str] = set()
     for p in tx.query(
-        f"SELECT id, policy FROM pools WHERE id IN ({_marks(len(pool_ids))})", pool_ids
+        f"SELECT id, policy FROM pools WHERE id IN ({marks(len(pool_ids))})", pool_ids
     ):
         policy = json.loads(p["policy"])
         if not (isinstance(policy, dict) and policy.get("acceptanceChecks")):
@@ -237,12 +233,12 @@ def _write(tx: Tx, writes: Mapping[str, _Write], now: int) -> None:
             sets.append(f"{column} = ?")
             params += list(by_value)
             continue
-        cases = "".join(f" WHEN id IN ({_marks(len(of))}) THEN ?" for of in by_value.values())
+        cases = "".join(f" WHEN id IN ({marks(len(of))}) THEN ?" for of in by_value.values())
         sets.append(f"{column} = CASE{cases} ELSE {column} END")
         for value, of in by_value.items():
             params += [*of, value]
     tx.execute(
-        f"UPDATE nodes SET {', '.join(sets)} WHERE id IN ({_marks(len(ids))})", [*params, *ids]
+        f"UPDATE nodes SET {', '.join(sets)} WHERE id IN ({marks(len(ids))})", [*params, *ids]
     )
 
 

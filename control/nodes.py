@@ -16,7 +16,7 @@ from control import events, nodefacts, tenancy
 from control.errors import ControlError, invalid, not_found
 from control.ids import iso
 from control.joinservice import NoticeSigner, revoke_node_certs
-from control.store import Row, Tx
+from control.store import Row, Tx, marks
 
 _REASON = re.compile(r"[\x20-\x7e]{1,200}")
 
@@ -83,10 +83,10 @@ def _live_not_after(tx: Tx, node_ids: list[str]) -> dict[str, int]:
     """The latest ``not_after`` of each node's live (unrevoked, unexpired) certificates."""
     if not node_ids:
         return {}
-    marks = ", ".join("?" * len(node_ids))
     rows = tx.query(
         "SELECT node_id, MAX(not_after) AS not_after FROM node_certs "
-        f"WHERE node_id IN ({marks}) AND revoked_at IS NULL AND not_after > ? GROUP BY node_id",
+        f"WHERE node_id IN ({marks(len(node_ids))}) AND revoked_at IS NULL AND not_after > ? "
+        "GROUP BY node_id",
         [*node_ids, tx.now_ms()],
     )
     return {str(r["node_id"]): int(r["not_after"]) for r in rows}

@@ -76,7 +76,7 @@ def server_ssl_context(
         if client_time_in_app:
             # The gateway: an expired node certificate completes the handshake, so the
             # application answers it UNAUTHENTICATED (it checks every certificate
-            # against its node_certs row and the database's time, peer_status), and the
+            # against its node_certs row and the database's time, live_peer_or_details), and the
             # node learns its identity expired instead of seeing a broken handshake.
             ctx.verify_flags = ctx.verify_flags | _NO_CHECK_TIME
     return ctx

@@ -46,7 +46,7 @@ from control.errors import ControlError, Refused, StoreConflict, invalid
 from control.issuance import JoinCrypto, issue_recorded_leaf, record_refusal, signed_identity
 from control.metrics import Metrics
 from control.proofs import proof_sha256, spend_proof
-from control.store import Row, Store, Tx
+from control.store import Row, Store, Tx, marks
 
 RENEW_REFUSED = "Renew refused"
 CONCURRENT = "This node renewed concurrently; retry"
@@ -334,19 +334,6 @@ def live_peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[LivePeer | None,
     return LivePeer(str(row["node_id"]), str(row["serial"]), int(row["not_after"]) - now_ms), {}
 
 
-def peer_status(tx: Tx, peer_cert_der: bytes) -> tuple[str, str] | None:
-    """(node id, serial) of a live node certificate (:func:`live_peer_or_details`),
-    else None (answer UNAUTHENTICATED)."""
-    peer = live_peer_or_details(tx, peer_cert_der)[0]
-    return None if peer is None else (peer.node_id, peer.serial)
-
-
-def peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[tuple[str, str] | None, dict[str, str]]:
-    """:func:`live_peer_or_details` with the peer as (node id, serial)."""
-    peer, details = live_peer_or_details(tx, peer_cert_der)
-    return (None if peer is None else (peer.node_id, peer.serial)), details
-
-
 def revoked_since(tx: Tx, since_ms: int) -> list[Row]:
     """Certificates revoked after ``since_ms``: serial, node_id, revoke_reason, revoked_at.
 
@@ -374,10 +361,9 @@ def revoke_notices(tx: Tx, serials: Sequence[str]) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for start in range(0, len(serials), MAX_NOTICES_READ):
         part = list(serials[start : start + MAX_NOTICES_READ])
-        marks = ", ".join("?" * len(part))
         for row in tx.query(
             "SELECT serial, revoke_notice FROM node_certs "
-            f"WHERE serial IN ({marks}) AND revoked_at IS NOT NULL",
+            f"WHERE serial IN ({marks(len(part))}) AND revoked_at IS NOT NULL",
             part,
         ):
             notice = row["revoke_notice"]

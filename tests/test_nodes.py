@@ -21,11 +21,10 @@ from control.errors import ControlError, Refused
 from control.http import Request
 from control.joinservice import JoinService
 from control.pki import load_pki
-from control.renewal import peer_status
 from control.server import join_crypto
 from tests.world import SECRET, ControlPlane
 from tests.world.joins import PLUGINS, join_body, machine
-from tests.world.renewals import ROOT, Env
+from tests.world.renewals import ROOT, Env, peer_status
 
 
 def revoked_events(env: Env, tenant: str | None = None) -> list[dict[str, Any]]:

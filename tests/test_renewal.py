@@ -37,14 +37,13 @@ from control.renewal import (
     RenewRefused,
     RenewService,
     check_renew_rate,
-    peer_status,
     proof_sha256,
     revoke_notices,
     revoked_since,
 )
 from control.store import Store
 from tests.world.joins import PLUGINS
-from tests.world.renewals import OWNER, ROOT, Env, NodeId, RenewAttempt, make_env
+from tests.world.renewals import OWNER, ROOT, Env, NodeId, RenewAttempt, make_env, peer_status
 
 AK = "urn:bc:tpm-ak:sha256:" + "ab" * 32
 _P256_N = 0xFFFFFFFF00000000FFFFFFFFFFFFFFFFBCE6FAADA7179E84F3B9CAC2FC632551

@@ -27,7 +27,7 @@ from bcd.revocation import NOT_ACCEPTED, judge_unauthenticated
 from control import nodes
 from control.clock import ManualClock
 from control.pki import Pki
-from control.renewal import UNKNOWN_CERTIFICATE, peer_or_details
+from control.renewal import UNKNOWN_CERTIFICATE, live_peer_or_details
 from control.store import open_store
 from tests.e2e import BIN, cli_env, run, start_serve
 from tests.gatewaycalls import node_post
@@ -66,20 +66,23 @@ def test_the_answer_names_why_a_certificate_is_not_live(env: Env, clock: ManualC
     )
     env.sql("UPDATE nodes SET retired_at = 1 WHERE id = ?", (retired.node_id,))
     with env.store.tx() as tx:
-        assert peer_or_details(tx, node.der) == ((node.node_id, node.serial), {})
+        peer, details = live_peer_or_details(tx, node.der)
+        assert peer is not None
+        assert (peer.node_id, peer.serial, details) == (node.node_id, node.serial, {})
+        assert 0 < peer.remaining_ms <= 86_400_001  # the session's life: the certificate's
         # signed by the CA, never recorded: what a restored older backup sees
         der = stray.public_bytes(serialization.Encoding.DER)
-        assert peer_or_details(tx, der) == (None, {"reason": UNKNOWN_CERTIFICATE})
-        assert peer_or_details(tx, b"junk") == (None, {"reason": UNKNOWN_CERTIFICATE})
-        assert peer_or_details(tx, retired.der) == (None, {"reason": "node-retired"})
+        assert live_peer_or_details(tx, der) == (None, {"reason": UNKNOWN_CERTIFICATE})
+        assert live_peer_or_details(tx, b"junk") == (None, {"reason": UNKNOWN_CERTIFICATE})
+        assert live_peer_or_details(tx, retired.der) == (None, {"reason": "node-retired"})
     issued = clock.now_ms()
     clock.advance(86_400_001)
     with env.store.tx() as tx:
-        assert peer_or_details(tx, node.der) == (None, {"reason": "expired"})
+        assert live_peer_or_details(tx, node.der) == (None, {"reason": "expired"})
     clock.set(issued)
     with env.store.tx() as tx:
         nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign)
-        peer, details = peer_or_details(tx, node.der)
+        peer, details = live_peer_or_details(tx, node.der)
     assert peer is None
     assert details["reason"] == "revoked"
     assert details["notice"]  # the signed RevocationNotice goes with it

@@ -10,9 +10,11 @@ the autojump never runs while a worker thread holds the store.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import time
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -72,6 +74,16 @@ def _joined(world: World) -> tuple[str, bytes, str]:
             format(leaf.serial_number, "x"))  # fmt: skip
 
 
+@contextlib.asynccontextmanager
+async def _polling(store: Store) -> AsyncIterator[tuple[Gateway, trio.Nursery]]:
+    """A gateway with its revocation poller running, both stopped at the end."""
+    gateway = _gateway(store)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(gateway.revocation_poller)
+        yield gateway, nursery
+        nursery.cancel_scope.cancel()
+
+
 def _revoke(store: Store, world: World, memory_pki: Pki, node_id: str) -> None:
     """Revoke the node's certificates in the store, as another replica would."""
     with store.tx() as tx:
@@ -99,9 +111,7 @@ def test_a_revocation_reaches_the_session_within_one_poll_interval(
     seen: dict[str, Any] = {}
 
     async def main() -> None:
-        gateway = _gateway(store)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(gateway.revocation_poller)
+        async with _polling(store) as (gateway, nursery):
             response = await gateway.handle(_session_request(node_id, der))
             assert response.status == 200
             assert response.stream is not None
@@ -122,7 +132,6 @@ def test_a_revocation_reaches_the_session_within_one_poll_interval(
             # and the gateway's decision on the certificate is now UNAUTHENTICATED
             again = await gateway.handle(_session_request(node_id, der))
             seen["again"] = (again.status, json.loads(again.body))
-            nursery.cancel_scope.cancel()
 
     started = time.monotonic()
     trio.run(main, clock=mock)
@@ -154,9 +163,7 @@ def test_a_revocation_made_while_a_session_opens_still_ends_it(
     lines: list[Any] = []
 
     async def main() -> None:
-        gateway = _gateway(store)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(gateway.revocation_poller)
+        async with _polling(store) as (gateway, nursery):
             await trio.sleep(2 * REVOCATION_POLL_S)
             response = await gateway.handle(_session_request(node_id, der))
             assert response.status == 200  # checked live: the answer is not started yet
@@ -173,7 +180,6 @@ def test_a_revocation_made_while_a_session_opens_still_ends_it(
             assert gateway.sessions == {}
             again = await gateway.handle(_session_request(node_id, der))  # the redial
             lines.append((again.status, json.loads(again.body)))
-            nursery.cancel_scope.cancel()
 
     trio.run(main, clock=mock)
     store.close()
@@ -229,9 +235,7 @@ def test_a_revoked_session_without_a_notice_to_push_ends(
     lines: list[Any] = []
 
     async def main() -> None:
-        gateway = _gateway(store)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(gateway.revocation_poller)
+        async with _polling(store) as (gateway, nursery):
             response = await gateway.handle(_session_request(node_id, der))
             assert response.stream is not None
             send, receive = trio.open_memory_channel[Any](16)
@@ -242,7 +246,6 @@ def test_a_revoked_session_without_a_notice_to_push_ends(
                 tx.execute("UPDATE node_certs SET revoke_notice = NULL WHERE serial = ?", (serial,))
             with trio.fail_after(5 * REVOCATION_POLL_S):
                 lines.append(await receive.receive())
-            nursery.cancel_scope.cancel()
 
     with caplog.at_level(logging.INFO, logger="control.gateway"):
         trio.run(main, clock=mock)

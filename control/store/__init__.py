@@ -17,6 +17,6 @@ with a pushback, never a bug's answer. A unique-constraint race raises
 
 from __future__ import annotations
 
-from control.store.base import Row, Store, Tx, open_store
+from control.store.base import Row, Store, Tx, marks, open_store
 
-__all__ = ["Row", "Store", "Tx", "open_store"]
+__all__ = ["Row", "Store", "Tx", "marks", "open_store"]

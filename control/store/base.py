@@ -17,6 +17,11 @@ Row = dict[str, Any]
 Params = Sequence[Any]
 
 
+def marks(n: int) -> str:
+    """``n`` placeholders for an ``IN (...)`` list: ``?, ?, ?``."""
+    return ", ".join("?" * n)
+
+
 class Tx(abc.ABC):
     """One database transaction. ``for_update`` is the row-lock suffix of a SELECT.
 

@@ -29,9 +29,9 @@ from control.joinservice import (
     notice_signer,
 )
 from control.pki import Pki
-from control.renewal import RenewRefused, RenewService
+from control.renewal import RenewRefused, RenewService, live_peer_or_details
 from control.server import join_crypto
-from control.store import Store
+from control.store import Store, Tx
 from tests.world.joins import PLUGINS, join_body, machine
 
 ROOT = "root"
@@ -252,3 +252,10 @@ def make_env(store: Store, memory_pki: Pki) -> Env:
         cred,
         root_cred,
     )
+
+
+def peer_status(tx: Tx, der: bytes) -> tuple[str, str] | None:
+    """(node id, serial) of a live node certificate, else None: what the gateway's
+    check (:func:`control.renewal.live_peer_or_details`) finds."""
+    peer = live_peer_or_details(tx, der)[0]
+    return None if peer is None else (peer.node_id, peer.serial)
