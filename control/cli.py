@@ -104,6 +104,19 @@ def cmd_daemon_install_script(args: argparse.Namespace) -> int:
     return 0
 
 
+def _relay_max_per_source(text: str) -> int:
+    from control.server import RELAY_MAX_CONNECTIONS, relay_limits
+
+    try:
+        value = int(text)
+        relay_limits(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a whole number from 1 to {RELAY_MAX_CONNECTIONS:,}"
+        ) from None
+    return value
+
+
 # --- the parser ----------------------------------------------------------------------
 
 
@@ -203,6 +216,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--relay-san",
         help="role api: which issued certificate (pki issue-gateway --san) the relay "
         "listener serves (default: --gateway-san)",
+    )
+    p.add_argument(
+        "--relay-max-per-source",
+        type=_relay_max_per_source,
+        default=None,
+        metavar="N",
+        help="role api: connections the relay listener takes from one address (default 512: "
+        "eight gateways behind one NAT address; at most 2048, the listener's)",
     )
     p.add_argument(
         "--gateway-dir",

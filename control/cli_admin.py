@@ -101,7 +101,7 @@ def cmd_pki_rotate_join_key(args: argparse.Namespace) -> int:
 
 
 _ROLE_FLAGS = {
-    "api": ("relay_listen", "relay_san"),
+    "api": ("relay_listen", "relay_san", "relay_max_per_source"),
     "gateway": ("gateway_dir", "api_upstream"),
     "api/all": (
         "downloads", "tpm_ek_ca", "tpm_ek_allow", "tpm_pool", "x509pop_ca", "discovery_pool",
@@ -168,6 +168,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         metrics_listen=args.metrics_listen,
         log_level=args.log_level,
         log_format=args.log_format,
+        relay_max_per_source=args.relay_max_per_source or server.RELAY_MAX_PER_SOURCE,
     )
 
 

@@ -1,10 +1,11 @@
 """A small HTTP/1.1 server on trio + h11, optionally over TLS.
 
 Each connection does its TLS handshake here, so the handler sees the client
-certificate (``Request.peer_cert_der``). Keep-alive, a request size limit,
-chunked streaming responses (the session stream), and errors in the protocol's
-``{"code", "message"}`` form. A handler's exception is logged and answered with
-a 503 UNAVAILABLE that never carries its text.
+certificate (``Request.peer_cert_der``); a listener's :class:`Limits` bound its
+connections and its handshakes under way, overall and per source address.
+Keep-alive, a request size limit, chunked streaming responses (the session stream),
+and errors in the protocol's ``{"code", "message"}`` form. A handler's exception is
+logged and answered with a 503 UNAVAILABLE that never carries its text.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from bcd.wire import STATUS, dumps
 
 logger = logging.getLogger("control.http")
 
-HANDSHAKE_TIMEOUT = 5.0
+HANDSHAKE_TIMEOUT = 5.0  # from accept to the end of the TLS handshake, the wait for a slot in it
+HANDSHAKE_LEFT_SHARE = 0.2  # a handshake slot that comes with less of that left goes unused
 FIRST_REQUEST_TIMEOUT = 10.0  # a new connection's first request head must arrive by then
 IDLE_TIMEOUT = 60.0  # keep-alive: wait this long for the next request
 ANONYMOUS_IDLE_TIMEOUT = 5.0  # keep-alive of a TLS connection without a client certificate
@@ -80,11 +82,26 @@ class Limits:
     ``max_connections``: open connections at once; ``max_per_source``: of those,
     from one IP address. A connection over either is closed at accept, before any
     TLS work, and one warning a minute says how many were.
+
+    ``max_handshakes``: TLS handshakes under way at once, given out first come, first
+    served; ``max_handshakes_per_source``: of those, for one IP address, so that
+    stalled handshakes from one address cannot keep everyone else's from starting. A
+    connection waits for its slot within its ``HANDSHAKE_TIMEOUT``, doing no TLS work
+    meanwhile, and is closed when no slot came with a fifth of that time still left
+    (``HANDSHAKE_LEFT_SHARE``). A listener without TLS has no handshakes.
     """
 
     max_connections: int = 1_024
     max_per_source: int = 128
     idle_timeout: float = IDLE_TIMEOUT
+    max_handshakes: int = 64
+    max_handshakes_per_source: int = 8
+
+    def __post_init__(self) -> None:
+        if not 0 < self.max_per_source <= self.max_connections:
+            raise ValueError("max_per_source must be from 1 to max_connections")
+        if self.max_handshakes < 1 or self.max_handshakes_per_source < 1:
+            raise ValueError("max_handshakes and max_handshakes_per_source must be at least 1")
 
 
 @dataclass
@@ -95,6 +112,14 @@ class _Gate:
     by_source: dict[str, int] = field(default_factory=dict)
     refused: int = 0
     warned_at: float = -1e9
+    handshakes: trio.CapacityLimiter = field(init=False)
+    # per source with a handshake under way or waiting: its slots, and how many use them
+    handshakes_of: dict[str, tuple[trio.CapacityLimiter, int]] = field(default_factory=dict)
+    late: int = 0
+    late_warned_at: float = -1e9
+
+    def __post_init__(self) -> None:
+        self.handshakes = trio.CapacityLimiter(self.limits.max_handshakes)
 
     def admit(self, source: str) -> bool:
         here = self.by_source.get(source, 0)
@@ -123,6 +148,51 @@ class _Gate:
             self.by_source[source] = left
         else:
             self.by_source.pop(source, None)
+
+    @contextlib.asynccontextmanager
+    async def handshake_slot(self, source: str, deadline: float) -> AsyncIterator[bool]:
+        """Hold one of ``source``'s handshake slots, then one of the listener's (each
+        queue first come, first served), while the block runs; it is told True, or False
+        when they did not come while ``HANDSHAKE_LEFT_SHARE`` of ``HANDSHAKE_TIMEOUT``
+        was still left before ``deadline`` (counted, and warned of at most once a
+        minute): a handshake started later would most likely be cut off unfinished,
+        its work wasted."""
+        mine, users = self.handshakes_of.get(source) or (
+            trio.CapacityLimiter(self.limits.max_handshakes_per_source),
+            0,
+        )
+        self.handshakes_of[source] = (mine, users + 1)
+        try:
+            async with contextlib.AsyncExitStack() as held:
+                limit = "handshakes-per-source"
+                with trio.move_on_at(deadline - HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE):
+                    await held.enter_async_context(mine)
+                    limit = "handshakes"
+                    await held.enter_async_context(self.handshakes)
+                    limit = ""
+                if limit:
+                    self._too_late(limit)
+                yield not limit
+        finally:
+            mine, users = self.handshakes_of[source]
+            if users > 1:
+                self.handshakes_of[source] = (mine, users - 1)
+            else:
+                del self.handshakes_of[source]
+
+    def _too_late(self, limit: str) -> None:
+        self.on_limit(limit)
+        self.late += 1
+        now = trio.current_time()
+        if now - self.late_warned_at >= 60:
+            logger.warning(
+                "handshake limit: closed %d connections that found no TLS handshake slot in "
+                "time (at most %d handshakes at once, %d per source)",
+                self.late,
+                self.limits.max_handshakes,
+                self.limits.max_handshakes_per_source,
+            )
+            self.late_warned_at, self.late = now, 0
 
 
 @dataclass
@@ -213,7 +283,7 @@ async def serve(
     limits = limits or Limits()
     gate = _Gate(limits, on_limit)
     connection = partial(
-        _connection, handler, ssl_context, max_body, life, limits.idle_timeout, on_limit
+        _connection, handler, ssl_context, max_body, life, limits.idle_timeout, on_limit, gate
     )
     async with trio.open_nursery() as connections:
         with trio.CancelScope() as accepting:
@@ -227,9 +297,13 @@ async def serve(
                 await listener.aclose()
 
 
+_ServeOne = Callable[[trio.SocketStream, str, str], Awaitable[None]]
+"""Serves one accepted connection: its socket, its ``host:port`` and its source."""
+
+
 async def _accept(
     listener: trio.SocketListener,
-    connection: Callable[[trio.SocketStream, str], Awaitable[None]],
+    connection: _ServeOne,
     nursery: trio.Nursery,
     gate: _Gate,
 ) -> None:
@@ -249,14 +323,14 @@ async def _accept(
 
 
 async def _gated(
-    connection: Callable[[trio.SocketStream, str], Awaitable[None]],
+    connection: _ServeOne,
     tcp: trio.SocketStream,
     remote: str,
     gate: _Gate,
     source: str,
 ) -> None:
     try:
-        await connection(tcp, remote)
+        await connection(tcp, remote, source)
     finally:
         gate.release(source)
 
@@ -296,21 +370,27 @@ async def _connection(
     life: Lifecycle,
     idle_timeout: float,
     on_limit: OnLimit,
+    gate: _Gate,
     tcp: trio.SocketStream,
     remote: str,
+    source: str,
 ) -> None:
     stream: trio.abc.Stream = tcp
     try:
         peer_der: bytes | None = None
         if ssl_context is not None:
-            tls = trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=True)
-            stream = tls
-            try:
-                with trio.fail_after(HANDSHAKE_TIMEOUT):
-                    await tls.do_handshake()
-            except (*_GONE, OSError) as exc:
-                logger.debug("TLS handshake from %s failed: %r", remote, exc)
-                return
+            deadline = trio.current_time() + HANDSHAKE_TIMEOUT
+            async with gate.handshake_slot(source, deadline) as slot:
+                if not slot:
+                    return  # no TLS work for a connection that came too late
+                tls = trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=True)
+                stream = tls
+                try:
+                    with trio.fail_at(deadline):
+                        await tls.do_handshake()
+                except (*_GONE, OSError) as exc:
+                    logger.debug("TLS handshake from %s failed: %r", remote, exc)
+                    return
             peer_der = tls.getpeercert(binary_form=True)
         if ssl_context is not None and peer_der is None:
             idle_timeout = min(idle_timeout, ANONYMOUS_IDLE_TIMEOUT)

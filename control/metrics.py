@@ -31,6 +31,8 @@ RENEW_OUTCOMES = ("renewed", "refused", "rate-limited", "error")
 LIMITS = (
     "connections",
     "connections-per-source",
+    "handshakes",
+    "handshakes-per-source",
     "request-head",
     "request-body",
     "renewals-per-node",

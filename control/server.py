@@ -66,13 +66,46 @@ def _split(listen: str) -> tuple[str, int]:
 
 ROLES = ("all", "api", "gateway")
 DRAIN_S = 30.0
+RELAY_MAX_CONNECTIONS = 2_048
+RELAY_MAX_PER_SOURCE = 512
+"""``--relay-max-per-source``'s default: 64 per gateway's relay pool, so eight gateways
+behind one address (a NAT), and at least four sources to fill the listener."""
+_RELAY_MAX_HANDSHAKES = 64
+
+
+def relay_limits(max_per_source: int = RELAY_MAX_PER_SOURCE) -> Limits:
+    """The relay listener's limits with ``max_per_source`` connections from one address
+    (``--relay-max-per-source``); ValueError, saying the range, outside 1 to 2,048.
+
+    A source's share of the handshakes follows its share of the connections (at most
+    8), so stalling every handshake takes as many addresses as filling the listener
+    does (down to 32 per source; below that, 64 addresses)."""
+    if isinstance(max_per_source, bool) or not 1 <= max_per_source <= RELAY_MAX_CONNECTIONS:
+        raise ValueError(f"a whole number from 1 to {RELAY_MAX_CONNECTIONS:,}")
+    share = _RELAY_MAX_HANDSHAKES * max_per_source // RELAY_MAX_CONNECTIONS
+    return Limits(
+        max_connections=RELAY_MAX_CONNECTIONS,
+        max_per_source=max_per_source,
+        max_handshakes=_RELAY_MAX_HANDSHAKES,
+        max_handshakes_per_source=min(8, max(1, share)),
+    )
+
+
 # Per listener (docs/decisions.md, "Connection limits"): the gateway holds a session
 # per node; the relay takes a few gateways' pools; the tenant API, operators' calls.
+# Stalling every TLS handshake of a listener takes max_handshakes /
+# max_handshakes_per_source addresses, no fewer than filling it takes (max_connections /
+# max_per_source): the gateway 128 / 8 = 16 against 16,000 / 1,024 (16), the relay
+# 64 / 8 = 8 against 2,048 / 512 (4). The API and metrics listeners have no TLS.
 LIMITS = {
-    "gateway": Limits(max_connections=16_000, max_per_source=1_024, idle_timeout=30.0),
-    # 64 per gateway's relay pool: 8 gateways behind one address (a NAT), and at
-    # least four sources to fill the listener (the file limit caps the total)
-    "relay": Limits(max_connections=2_048, max_per_source=512),
+    "gateway": Limits(
+        max_connections=16_000,
+        max_per_source=1_024,
+        idle_timeout=30.0,
+        max_handshakes=128,
+        max_handshakes_per_source=8,
+    ),
+    "relay": relay_limits(),  # the file limit caps the total
     "api": Limits(max_connections=1_024, max_per_source=128),
     "metrics": Limits(max_connections=64, max_per_source=16),
 }
@@ -168,6 +201,7 @@ def main(
     metrics_listen: str | None = None,
     log_level: str = "info",
     log_format: str = "text",
+    relay_max_per_source: int = RELAY_MAX_PER_SOURCE,
 ) -> int:
     """``better-compute serve``: ``role`` all (one process, the default), api or gateway."""
     setup_logging(log_level, log_format)
@@ -178,6 +212,10 @@ def main(
         raise ControlError("INVALID_ARGUMENT", f"--role must be one of {', '.join(ROLES)}")
     if not 0.05 <= session_ping_s <= 45:  # a node drops a session after 50 s of silence
         raise ControlError("INVALID_ARGUMENT", "--session-ping-seconds must be from 0.05 to 45")
+    try:
+        relay_limit = relay_limits(relay_max_per_source)
+    except ValueError as exc:
+        raise ControlError("INVALID_ARGUMENT", f"--relay-max-per-source must be {exc}") from exc
     metrics = Metrics()
     if role == "gateway":
         if gateway_dir is None:
@@ -207,6 +245,7 @@ def main(
             relay_san=relay_san or gateway_san,
             metrics=metrics,
         )
+    parts.limits["relay"] = relay_limit
     if parts.gateway is not None:
         parts.gateway.ping_interval_s = session_ping_s
     if role == "all" and not gateway_url:
