@@ -406,6 +406,22 @@ class GatewayClient:
         )
 
 
+def system_store_context() -> ssl.SSLContext:
+    """:func:`fetch_url`'s TLS client: the system trust store, host names checked.
+
+    Not ``create_default_context``, which would write the TLS secrets to
+    ``$SSLKEYLOGFILE``. Not ``VERIFY_X509_STRICT`` either, unlike the contexts that
+    verify the project's own PKI: this store holds whatever CA the operator's site
+    serves the control plane under (an enterprise CA, a TLS-inspecting proxy), which
+    the project does not issue and cannot hold to RFC 5280, and the well-known
+    document it fetches is believed for the pins it matches, not for its TLS.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, host names checked
+    ctx.load_default_certs()
+    ctx.set_alpn_protocols(["http/1.1"])
+    return ctx
+
+
 async def fetch_url(
     url: str,
     *,
@@ -422,11 +438,7 @@ async def fetch_url(
     if parts.scheme not in ("http", "https") or not hostname:
         raise TransportError("the URL is not an http:// or https:// URL")
     where = f"{hostname}:{port or (443 if parts.scheme == 'https' else 80)}"
-    # not create_default_context: it would write the TLS secrets to $SSLKEYLOGFILE
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, host names checked
-    ctx.load_default_certs()
-    ctx.set_alpn_protocols(["http/1.1"])
-    transport = httpx.AsyncHTTPTransport(verify=ctx, retries=0, trust_env=False)
+    transport = httpx.AsyncHTTPTransport(verify=system_store_context(), retries=0, trust_env=False)
     async with httpx.AsyncClient(
         transport=transport,
         trust_env=False,

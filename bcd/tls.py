@@ -248,16 +248,18 @@ def _base_context() -> ssl.SSLContext:
 def pinned_context(anchor: Anchor, client_cert: tuple[str, bytes] | None = None) -> ssl.SSLContext:
     """A standard client context whose only trust anchor is the serving CA.
 
-    ``CERT_REQUIRED``, the host name checked against ``server_hostname``, and
-    ``VERIFY_X509_PARTIAL_CHAIN`` so a pinned intermediate anchors the chain; the
-    system store is never loaded. OpenSSL checks the chain when the server's
-    Certificate arrives and aborts the handshake on a failure, before the client
-    Certificate (``client_cert``: chain PEM, PKCS#8 key PEM) is sent.
+    ``CERT_REQUIRED``, the host name checked against ``server_hostname``,
+    ``VERIFY_X509_PARTIAL_CHAIN`` so a pinned intermediate anchors the chain (the pinned
+    certificate is the only one loaded, so no other can), and ``VERIFY_X509_STRICT``
+    (RFC 5280 as :func:`verify_server_chain` and Python 3.13's defaults hold it, on
+    every Python); the system store is never loaded. OpenSSL checks the chain when the
+    server's Certificate arrives and aborts the handshake on a failure, before the
+    client Certificate (``client_cert``: chain PEM, PKCS#8 key PEM) is sent.
     """
     ctx = _base_context()
     ctx.verify_mode = ssl.CERT_REQUIRED
     ctx.check_hostname = True
-    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN | ssl.VERIFY_X509_STRICT
     try:
         ctx.load_verify_locations(cadata=anchor.pem)
     except (ssl.SSLError, ValueError) as exc:

@@ -4,10 +4,27 @@ from __future__ import annotations
 
 import http.client
 import json
+import ssl
 import urllib.parse
 from typing import Any
 
 from control.errors import ControlError
+
+
+def system_store_context() -> ssl.SSLContext:
+    """The client of an https:// ``--api``: the system trust store, host names checked.
+
+    Built by hand, as :func:`bcd.gatewayclient.system_store_context` is, so it is the
+    same on every Python: ``http.client``'s default (``create_default_context``)
+    writes the TLS secrets, and with them the operator's credential, to
+    ``$SSLKEYLOGFILE``, and from 3.13 on sets ``VERIFY_X509_STRICT`` and
+    ``VERIFY_X509_PARTIAL_CHAIN``. Not strict: the API's TLS is the operator's
+    front (serve has no TLS on the API listener), under a CA the project does not
+    issue.
+    """
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # CERT_REQUIRED, host names checked
+    ctx.load_default_certs()
+    return ctx
 
 
 class ApiClient:
@@ -23,7 +40,9 @@ class ApiClient:
         p = self._parsed
         conn: http.client.HTTPConnection
         if p.scheme == "https":
-            conn = http.client.HTTPSConnection(p.hostname or "", p.port, timeout=self._timeout)
+            conn = http.client.HTTPSConnection(
+                p.hostname or "", p.port, timeout=self._timeout, context=system_store_context()
+            )
         else:
             conn = http.client.HTTPConnection(p.hostname or "", p.port, timeout=self._timeout)
         headers = {"content-type": "application/json", "accept": "application/json"}

@@ -58,11 +58,14 @@ def server_ssl_context(
 
     No session tickets are issued (a resumed session skips certificate checks).
     With ``client_ca_pem`` the server asks for a client certificate chaining to it
-    (``CERT_OPTIONAL``); the application refuses a connection without one, and checks
-    revocation on every connection (OpenSSL's in-process TLS 1.2 session-ID cache
-    cannot be turned off from Python).
+    (``CERT_OPTIONAL``, the chain held to RFC 5280 by ``VERIFY_X509_STRICT``, and
+    never partial: the root of ``client_ca_pem`` anchors it, not an intermediate);
+    the application refuses a connection without one, and checks revocation on every
+    connection (OpenSSL's in-process TLS 1.2 session-ID cache cannot be turned off
+    from Python).
     """
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.verify_flags |= ssl.VERIFY_X509_STRICT
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
     # TLS 1.2 with forward-secret AEAD suites only (TLS 1.3's are all AEAD)
     ctx.set_ciphers("ECDHE+AESGCM:ECDHE+CHACHA20")
