@@ -423,7 +423,7 @@ class Gateway:
         self._replace_older(session)
         self.sessions.setdefault(session.serial, []).append(session)
         self.by_node.setdefault(session.node_id, []).append(session)
-        if session.serial in self._revoked and self._tell(session, _DRAIN):
+        if session.serial in self._revoked and self._end(session, _DRAIN):
             log.info(
                 "a session of %s opened as its certificate %s was revoked: ended, so its "
                 "node redials and is told",
@@ -452,7 +452,10 @@ class Gateway:
             if trio.current_time() - session.checked_at > SESSION_OPEN_MAX_S:
                 return  # checked too long ago: the node redials and is checked again
             while not (self.draining or session.replaced or session.expired):
-                notice = await receive.receive()
+                try:
+                    notice = await receive.receive()
+                except trio.EndOfChannel:
+                    return  # ended by :meth:`_end` with its queue full
                 if notice is _PING:
                     session.ping_queued = False
                     if self.draining:
@@ -502,7 +505,7 @@ class Gateway:
                     self._ends_closed -= 1
                 else:
                     session.expired = True  # out of the heap
-                    self._tell(session, _DRAIN)
+                    self._end(session, _DRAIN)
             for session in self._slots[self._slot_next]:
                 if not (session.ping_queued or self.draining):
                     session.ping_queued = self._tell(session, _PING)
@@ -514,6 +517,21 @@ class Gateway:
         try:
             session.send.send_nowait(what)
         except (trio.WouldBlock, trio.BrokenResourceError, trio.ClosedResourceError):
+            return False
+        return True
+
+    @staticmethod
+    def _end(session: _Session, what: dict[str, Any]) -> bool:
+        """Queue ``what``, which ends a session (a drain, a revocation notice); with the
+        session's queue full, close the queue instead, so the session still ends once
+        what is queued is sent (its node redials and is checked, or told). False when
+        the session is gone."""
+        try:
+            session.send.send_nowait(what)
+        except trio.WouldBlock:
+            session.send.close()
+            return what is _DRAIN
+        except (trio.BrokenResourceError, trio.ClosedResourceError):
             return False
         return True
 
@@ -577,7 +595,7 @@ class Gateway:
         node's redial is answered UNAUTHENTICATED with the notice."""
         at = int(row["revoked_at"])
         if signed is None:
-            if self._tell(session, _DRAIN):
+            if self._end(session, _DRAIN):
                 log.info(
                     "a session of %s ended: its certificate %s was revoked",
                     session.node_id,
@@ -592,8 +610,12 @@ class Gateway:
             "serial": row["serial"],
             "notice": signed,  # signed where it was revoked
         }
-        if not self._tell(session, notice):
-            log.warning("could not deliver a revocation to a session of %s", session.node_id)
+        if not self._end(session, notice):
+            log.warning(
+                "could not push a revocation to a session of %s (its queue full, or it "
+                "closed): it ends, and its node is told when it redials",
+                session.node_id,
+            )
             return
         self.metrics.revocations_pushed.inc()
         self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)

@@ -16,6 +16,7 @@ import trio.testing
 from cryptography.hazmat.primitives import serialization
 
 from bcd import pki as bpki
+from control import gateway as gw_module
 from control.clock import TrioClock
 from control.gateway import PING_SLOTS, Gateway, inline
 from control.pki import Pki
@@ -131,3 +132,35 @@ def test_a_session_whose_answer_is_never_sent_leaves_nothing_behind(
         assert gateway.sessions == {}
 
     trio.run(main)
+
+
+def test_a_session_whose_queue_is_full_still_ends(store_url: str) -> None:
+    """A drain or a revocation notice for a session whose queue (8) is full closes the
+    queue: the stream sends what was queued, then ends cleanly, and the node redials
+    (to be checked, or told of its revocation). Nothing is dropped silently."""
+    store = open_store(store_url)
+    store.migrate()
+
+    async def main() -> None:
+        gateway = Gateway(
+            store, upstream=_no_upstream, limiter=trio.CapacityLimiter(4), offload=inline
+        )
+        for what, told in ((gw_module._DRAIN, True), (_REVOKED, False)):
+            send, receive = trio.open_memory_channel[dict[str, Any]](8)
+            session = gw_module._Session(
+                "node-1", "01ab", send, ends_in_s=600.0, checked_at=trio.current_time()
+            )
+            stream = gateway._stream(session, "s-1", receive)
+            assert json.loads(await stream.__anext__())["type"] == "welcome"
+            for _ in range(8):
+                send.send_nowait(gw_module._PING)
+            assert gateway._end(session, what) is told
+            lines = [chunk async for chunk in stream]
+            assert lines == [gw_module._PING_LINE] * 8  # then a clean end, no exception
+            assert session.closed
+            assert "01ab" not in gateway.sessions
+
+    trio.run(main)
+
+
+_REVOKED: dict[str, Any] = {"type": "revocation", "reason": "revoked", "serial": "01ab"}
