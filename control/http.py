@@ -2,7 +2,8 @@
 
 Each connection does its TLS handshake here, so the handler sees the client
 certificate (``Request.peer_cert_der``); a listener's :class:`Limits` bound its
-connections and its handshakes under way, overall and per source address.
+connections and its handshakes under way, overall and per source address, and a
+connection that has sent nothing yet holds no handshake slot.
 Keep-alive, a request size limit, chunked streaming responses (the session stream),
 and errors in the protocol's ``{"code", "message"}`` form. A handler's exception is
 logged and answered with a 503 UNAVAILABLE that never carries its text.
@@ -29,7 +30,7 @@ from bcd.wire import STATUS, dumps
 
 logger = logging.getLogger("control.http")
 
-HANDSHAKE_TIMEOUT = 5.0  # from accept to the end of the TLS handshake, the wait for a slot in it
+HANDSHAKE_TIMEOUT = 5.0  # from accept to the handshake's end: waits for first bytes, slot in it
 HANDSHAKE_LEFT_SHARE = 0.2  # a handshake slot that comes with less of that left goes unused
 FIRST_REQUEST_TIMEOUT = 10.0  # a new connection's first request head must arrive by then
 IDLE_TIMEOUT = 60.0  # keep-alive: wait this long for the next request
@@ -84,11 +85,14 @@ class Limits:
     TLS work, and one warning a minute says how many were.
 
     ``max_handshakes``: TLS handshakes under way at once, given out first come, first
-    served; ``max_handshakes_per_source``: of those, for one IP address, so that
-    stalled handshakes from one address cannot keep everyone else's from starting. A
-    connection waits for its slot within its ``HANDSHAKE_TIMEOUT``, doing no TLS work
-    meanwhile, and is closed when no slot came with a fifth of that time still left
-    (``HANDSHAKE_LEFT_SHARE``). A listener without TLS has no handshakes.
+    served; ``max_handshakes_per_source``: of those, for one IP address (at most
+    ``max_handshakes``), so that stalled handshakes from one address cannot keep
+    everyone else's from starting. A connection asks for its slot only once its client
+    has sent something (its ClientHello's first bytes), so a silent one costs no slot;
+    it waits for the slot within its ``HANDSHAKE_TIMEOUT``, doing no TLS work
+    meanwhile, and is closed when neither its first bytes nor then its slot came with
+    a fifth of that time still left (``HANDSHAKE_LEFT_SHARE``). A listener without TLS
+    has no handshakes.
     """
 
     max_connections: int = 1_024
@@ -100,8 +104,8 @@ class Limits:
     def __post_init__(self) -> None:
         if not 0 < self.max_per_source <= self.max_connections:
             raise ValueError("max_per_source must be from 1 to max_connections")
-        if self.max_handshakes < 1 or self.max_handshakes_per_source < 1:
-            raise ValueError("max_handshakes and max_handshakes_per_source must be at least 1")
+        if not 0 < self.max_handshakes_per_source <= self.max_handshakes:
+            raise ValueError("max_handshakes_per_source must be from 1 to max_handshakes")
 
 
 @dataclass
@@ -200,9 +204,11 @@ class Lifecycle:
     """What a drain needs to know of the connections of one or more listeners.
 
     ``busy`` counts requests inside a handler (a join, a renewal, a session's
-    stream); ``waiting`` holds the cancel scopes of connections between requests.
-    :meth:`begin_drain` stops accepting, hangs up every waiting connection, and
-    makes every busy one hang up after its answer.
+    stream); ``waiting`` holds the cancel scopes of connections between requests (and
+    of TLS connections that have sent nothing yet). :meth:`begin_drain` stops
+    accepting, hangs up every waiting connection, and makes every busy one hang up
+    after its answer; a connection in the queue for a handshake slot hangs up when its
+    slot comes, with no TLS work.
     """
 
     draining: trio.Event = field(default_factory=trio.Event)
@@ -380,9 +386,12 @@ async def _connection(
         peer_der: bytes | None = None
         if ssl_context is not None:
             deadline = trio.current_time() + HANDSHAKE_TIMEOUT
+            if not await _talks(tcp, deadline - HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE, life):
+                logger.debug("TLS handshake from %s: nothing sent in time", remote)
+                return  # a silent connection never took a handshake slot
             async with gate.handshake_slot(source, deadline) as slot:
-                if not slot:
-                    return  # no TLS work for a connection that came too late
+                if not slot or life.draining.is_set():
+                    return  # no TLS work for a connection that came too late, or in a drain
                 tls = trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=True)
                 stream = tls
                 try:
@@ -402,6 +411,22 @@ async def _connection(
     finally:
         with trio.move_on_after(1), contextlib.suppress(*_GONE, OSError):
             await stream.aclose()
+
+
+async def _talks(tcp: trio.SocketStream, by: float, life: Lifecycle) -> bool:
+    """Wait until the client has sent something (a ClientHello's first bytes, or its
+    end of the connection) by ``by``; False when it has not, or a drain began first (a
+    connection that has said nothing is hung up like one between requests)."""
+    if life.draining.is_set():
+        return False
+    with trio.CancelScope(deadline=by) as waiting:
+        life.waiting.add(waiting)
+        try:
+            await trio.lowlevel.wait_readable(tcp.socket)
+            return True
+        finally:
+            life.waiting.discard(waiting)
+    return False
 
 
 async def _write(stream: trio.abc.Stream, data: bytes) -> None:

@@ -95,15 +95,19 @@ def relay_limits(max_per_source: int = RELAY_MAX_PER_SOURCE) -> Limits:
 # per node; the relay takes a few gateways' pools; the tenant API, operators' calls.
 # Stalling every TLS handshake of a listener takes max_handshakes /
 # max_handshakes_per_source addresses, no fewer than filling it takes (max_connections /
-# max_per_source): the gateway 128 / 8 = 16 against 16,000 / 1,024 (16), the relay
-# 64 / 8 = 8 against 2,048 / 512 (4). The API and metrics listeners have no TLS.
+# max_per_source): the gateway 1,024 / 64 = 16 against 16,000 / 1,024 (16), the relay
+# 64 / 8 = 8 against 2,048 / 512 (4). A connection holds a slot only once it has sent
+# something, so that is max_handshakes talking connections every 5 s (the gateway's
+# about 205 a second). The gateway's 64 per source are for a site of up to 1,024 nodes
+# (the per-source connection bound) behind one NAT address, all redialling at once.
+# The API and metrics listeners have no TLS.
 LIMITS = {
     "gateway": Limits(
         max_connections=16_000,
         max_per_source=1_024,
         idle_timeout=30.0,
-        max_handshakes=128,
-        max_handshakes_per_source=8,
+        max_handshakes=1_024,
+        max_handshakes_per_source=64,
     ),
     "relay": relay_limits(),  # the file limit caps the total
     "api": Limits(max_connections=1_024, max_per_source=128),

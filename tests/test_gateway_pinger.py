@@ -150,12 +150,14 @@ def test_a_session_whose_queue_is_full_still_ends(store_url: str) -> None:
             session = gw_module._Session(
                 "node-1", "01ab", send, ends_in_s=600.0, checked_at=trio.current_time()
             )
-            stream = gateway._stream(session, "s-1", receive)
-            assert json.loads(await stream.__anext__())["type"] == "welcome"
-            for _ in range(8):
-                send.send_nowait(gw_module._PING)
-            assert gateway._end(session, what) is told
-            lines = [chunk async for chunk in stream]
+            # a stream whose queue _end left open would wait for its next line for good
+            with trio.fail_after(5):
+                stream = gateway._stream(session, "s-1", receive)
+                assert json.loads(await stream.__anext__())["type"] == "welcome"
+                for _ in range(8):
+                    send.send_nowait(gw_module._PING)
+                assert gateway._end(session, what) is told
+                lines = [chunk async for chunk in stream]
             assert lines == [gw_module._PING_LINE] * 8  # then a clean end, no exception
             assert session.closed
             assert "01ab" not in gateway.sessions
