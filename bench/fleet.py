@@ -5,7 +5,7 @@ Run from the repository root::
 
     .venv/bin/python bench/fleet.py --nodes N [--procs P] [--gateways G]
         [--concurrency C] [--ping-seconds S] [--steady-pings K] [--cert-ttl S]
-        [--revocations R] [--out DIR]
+        [--revocations R] [--out DIR] [--profile] [--instructions]
 
 It prints figures and judges nothing (every phase prints its error count, which should
 be 0); ``tests/test_fleet_sim.py`` runs it small and checks only that outcome.
@@ -64,6 +64,15 @@ is logged (``BCD_FLEET_LOG=WARNING``): a simulator starved that long makes its
 handshakes outlast the gateway's timeout, and under TLS 1.3 a client's handshake is
 over before the gateway has read its certificate, so the node sees "the connection to
 … broke" at its first read (what the renewal wave retries).
+
+``--instructions`` starts every ``serve`` under valgrind's callgrind and reads each
+process's instructions over each phase (``callgrind_control --dump`` at its start and
+end): instructions per join, session opened, idle session-second and renewal, and per
+join and renewal over the raw floor's instructions (``bench/join.py`` and
+``bench/renew.py``'s floor loops under callgrind). User-space instructions only (the
+kernel's TLS socket work and PostgreSQL's backends are not counted); about 50 times
+slower, so a small N (e.g. ``--nodes 200 --procs 1 --concurrency 4 --ping-seconds
+10``), whose CPU and latency figures are valgrind's.
 
 CPU: utime + stime from ``/proc`` of the API replica, each gateway and their PostgreSQL
 backends, over each phase; PostgreSQL transactions are ``pg_stat_database``'s
@@ -132,9 +141,12 @@ TICK_S = 0.25
 DIAL_SLOTS = 4  # session dials at a time per simulator process, times --concurrency
 RENEW_TRIES = 3
 FREEZE_EVERY = 1_000
-"""Within the renewal wave, the objects alive are frozen (``gc.freeze``, no collection)
-after every this many renewals of a process, so no full collection inside the wave
-walks all its nodes' new states (at 10,000 nodes a process they stopped it 4-8 s)."""
+"""Within the renewal wave and the sessions phase, the objects alive are frozen
+(``gc.freeze``, no collection) after every this many renewals (or sessions welcomed) of
+a process, so no full collection inside the phase walks all its nodes' new states (at
+10,000 nodes a process they stopped it 4-8 s in the renewal wave; at N = 100,000, 8
+processes of 12,500 nodes, 7 s stalls in the sessions phase failed the handshakes of
+the dials under way, whose redials made more garbage, until no session opened)."""
 SAMPLE_S = 0.5
 FILE_LIMIT = 20_000
 GATEWAY_SESSIONS_MAX = 16_000  # control.server.LIMITS["gateway"].max_connections
@@ -366,6 +378,8 @@ class Simulator:
                 node.up = True
                 self.c.up += 1
                 self.c.welcomes += 1
+                if self.c.welcomes % FREEZE_EVERY == 0:
+                    gc.freeze()  # as in the renewal wave: no full walk of the held sessions
             elif not up and node.up:
                 node.up = False
                 self.c.up -= 1
@@ -665,6 +679,8 @@ class Phase:
     xacts: int = 0
     errors: int = 0
     detail: dict[str, Any] = field(default_factory=dict)
+    instructions: dict[str, int] = field(default_factory=dict)
+    """Per role, valgrind's Ir over the phase (``--instructions``)."""
 
     @property
     def wall_s(self) -> float:
@@ -768,6 +784,62 @@ def _module(frame: str) -> str:
     return "/".join(parts[-2:]) if parts else ""
 
 
+class Instructions:
+    """Instructions (valgrind's Ir) of each control-plane process over a phase, with
+    ``--instructions``: every ``serve`` runs under callgrind, and ``callgrind_control
+    --dump`` at a phase's start and end takes its count (a dump resets the counters, so
+    the second dump holds the phase's alone). PostgreSQL's backends are not counted."""
+
+    def __init__(self, out: Path, enabled: bool) -> None:
+        self.out = out
+        self.enabled = enabled
+        self._dumps: dict[int, int] = {}
+
+    def wrapper(self) -> list[str]:
+        """The command a ``serve`` starts under (``tests.e2e.SERVE_WRAPPER``)."""
+        return [
+            "valgrind", "--tool=callgrind", "--dump-instr=no", "--compress-strings=no",
+            f"--callgrind-out-file={self.out}/callgrind-%p",
+        ]  # fmt: skip
+
+    def _dump(self, pid: int) -> int | None:
+        """Dump ``pid``'s counters; the Ir since its previous dump (None if it is gone)."""
+        done = subprocess.run(
+            ["callgrind_control", "--dump", str(pid)], capture_output=True, text=True,
+            timeout=120, check=False,
+        )  # fmt: skip
+        if done.returncode != 0 or "OK" not in done.stdout:
+            return None
+        self._dumps[pid] = self._dumps.get(pid, 0) + 1
+        path = self.out / f"callgrind-{pid}.{self._dumps[pid]}"
+        try:
+            text = path.read_text(errors="replace")
+        finally:
+            path.unlink(missing_ok=True)
+        for line in text.splitlines():
+            if line.startswith("totals:"):
+                return int(line.split()[1])
+        return None
+
+    def clean(self) -> None:
+        """Remove what callgrind wrote at each process's exit."""
+        if self.enabled:
+            for path in self.out.glob("callgrind-*"):
+                path.unlink(missing_ok=True)
+
+    def start(self, pids: dict[str, int]) -> None:
+        if self.enabled:
+            for pid in pids.values():
+                self._dump(pid)
+
+    def stop(self, pids: dict[str, int]) -> dict[str, int]:
+        """Per role, the instructions since :meth:`start`."""
+        if not self.enabled:
+            return {}
+        got = {role: self._dump(pid) for role, pid in pids.items()}
+        return {role: ir for role, ir in got.items() if ir is not None}
+
+
 class Run:
     def __init__(
         self,
@@ -775,6 +847,7 @@ class Run:
         workers: list[Worker],
         sampler: Sampler,
         profiler: Profiler | None = None,
+        instructions: Instructions | None = None,
     ) -> None:
         self.roles = roles
         self.workers = workers
@@ -783,6 +856,7 @@ class Run:
         self._meter: Meter | None = None
         self._xact = 0
         self.profiler = profiler or Profiler(Path("."), False)
+        self.instructions = instructions or Instructions(Path("."), False)
 
     def begin(self, name: str) -> Phase:
         self._meter = Meter(self.roles)
@@ -790,6 +864,7 @@ class Run:
         self._meter.start()
         targets = {"api": self.roles.pids["api"], "gw2": self.roles.pids["gw2"]}
         self.profiler.start(name, {**targets, "sim0": self.workers[0].proc.pid})
+        self.instructions.start(self.roles.pids)
         phase = Phase(name, time.monotonic() - self.sampler.t0)
         self.phases.append(phase)
         print(f"\n[{name}] …", flush=True)
@@ -800,6 +875,7 @@ class Run:
         phase.spent = self._meter.stop()
         phase.end = time.monotonic() - self.sampler.t0
         self.profiler.stop()
+        phase.instructions = self.instructions.stop(self.roles.pids)
         phase.xacts = xact_commit() - self._xact
         phase.errors = errors
         print(
@@ -1118,6 +1194,7 @@ def figures(
         "reconnect_peak_cpu_cores": max(in_restart, default=0.0),
         "reconnect_rate_per_s": [(round(t, 2), round(r, 1)) for t, r in reconnects],
         "cpu_total_by_role_s": totals,
+        **instruction_figures(phases, floors, joined, renewals, n),
         "revocation_latencies_ms": [round(x * 1000, 1) for x in lat],
     }
 
@@ -1166,6 +1243,54 @@ def plot(
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def instruction_floors() -> dict[str, float]:
+    """The raw floors' instructions per join and per renewal (``bench/join.py`` and
+    ``bench/renew.py`` under callgrind, as their ``--instructions`` count them)."""
+    from bench.common import instructions_per_op
+    from bench.join import CALLGRIND_LARGE, CALLGRIND_SMALL
+
+    out: dict[str, float] = {}
+    for op, script in (("join", "bench/join.py"), ("renewal", "bench/renew.py")):
+        ir = instructions_per_op(str(ROOT / script), "floor", CALLGRIND_SMALL, CALLGRIND_LARGE)
+        if ir is not None:
+            out[f"{op}_ir"] = ir
+    return out
+
+
+def instruction_figures(
+    phases: dict[str, Phase], floors: dict[str, float], joined: int, renewals: int, n: int
+) -> dict[str, Any]:
+    """With ``--instructions``: the control plane's instructions (the API replica and
+    the gateways, not PostgreSQL) per join, session opened, idle session-second and
+    renewal, and per join and renewal over the raw floor's instructions."""
+    if not any(p.instructions for p in phases.values()):
+        return {}
+
+    def per(phase: str, count: float) -> float:
+        return sum(phases[phase].instructions.values()) / max(count, 1e-9)
+
+    steady = phases["steady"]
+    gw_steady = sum(v for k, v in steady.instructions.items() if k.startswith("gw"))
+    out: dict[str, Any] = {
+        "instructions_by_phase_M": {
+            name: round(sum(p.instructions.values()) / 1e6, 1) for name, p in phases.items()
+        },
+        "join_instructions_M": per("join", joined) / 1e6,
+        "join_instructions_by_role_M": {
+            k: v / max(joined, 1) / 1e6 for k, v in phases["join"].instructions.items()
+        },
+        "session_open_instructions_M": per("sessions", n) / 1e6,
+        "gateway_instructions_per_session_s": gw_steady / max(n * steady.wall_s, 1e-9),
+        "renewal_instructions_M": per("renewal", renewals) / 1e6,
+    }
+    for op, count in (("join", joined), ("renewal", renewals)):
+        floor_ir = floors.get(f"{op}_ir")
+        if floor_ir:
+            out[f"{op}_floor_instructions_M"] = floor_ir / 1e6
+            out[f"{op}_instructions_floor_ratio"] = per(op, count) / floor_ir
+    return out
 
 
 def print_figures(fig: dict[str, Any]) -> None:
@@ -1262,6 +1387,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--profile", action="store_true", help="py-spy the API, gw2 and a simulator per phase"
     )
+    parser.add_argument(
+        "--instructions",
+        action="store_true",
+        help="run every serve under valgrind's callgrind: instructions per phase and per "
+        "operation (its CPU figures are then valgrind's, not the control plane's)",
+    )
     args = parser.parse_args(argv)
     if args.worker:
         return worker_main()
@@ -1285,6 +1416,7 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGINT, _exit_on_signal)
 
     print_environment()
+    import tests.e2e
     from bench.join import crypto_floor
     from bench.renew import renew_floor
     from control import pki as cpki
@@ -1305,6 +1437,11 @@ def main(argv: list[str] | None = None) -> int:
             "join": crypto_floor(loaded).total_us / 1000,
             "renewal": renew_floor(loaded).total_us / 1000,
         }
+        instructions = Instructions(args.out, args.instructions)
+        if args.instructions:
+            floors.update(instruction_floors())
+            tests.e2e.SERVE_WRAPPER[:] = instructions.wrapper()
+            tests.e2e.SERVE_READY_S = 600.0
         print(f"crypto floor (bench/join.py, bench/renew.py): {floors['join']:.3f} ms/join, "
               f"{floors['renewal']:.3f} ms/renewal")  # fmt: skip
         # the gateways' access log and failed handshakes with BCD_FLEET_GW_LOG=debug
@@ -1334,7 +1471,7 @@ def main(argv: list[str] | None = None) -> int:
                 per_worker = [tokens[p :: args.procs] for p in range(args.procs)]
                 sampler = Sampler(roles, workers)
                 profiler = Profiler(args.out, args.profile)
-                run = Run(roles, workers, sampler, profiler)
+                run = Run(roles, workers, sampler, profiler, instructions)
                 phases: dict[str, Phase] = {}
                 phases["join"] = phase_join(run, per_worker, jwk)
                 joined = len(phases["join"].detail["nodes"])
@@ -1360,6 +1497,7 @@ def main(argv: list[str] | None = None) -> int:
                     (args.out / "fleet-api.log").write_text(
                         (roles.fleet.api.home / "serve.log").read_text(errors="replace")
                     )
+    instructions.clean()
     fig = figures(args, phases, sampler.samples, floors, n)
     for name in ("join", "renewal"):
         texts = phases[name].detail.get("error_texts")

@@ -65,6 +65,13 @@ def make_pki(home: Path) -> None:
         assert done.returncode == 0, done.stderr
 
 
+SERVE_WRAPPER: list[str] = []
+"""A command every ``serve`` is started under (``bench/fleet.py --instructions`` sets
+valgrind's callgrind here); empty for the tests."""
+SERVE_READY_S = 20.0
+"""How long a ``serve`` may take to write its ready file (longer under valgrind)."""
+
+
 def start_serve(
     home: Path, args: Sequence[str], env: dict[str, str]
 ) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
@@ -73,12 +80,12 @@ def start_serve(
     ready = home / "ready.json"
     log = open(home / "serve.log", "wb")  # noqa: SIM115 - the process owns it
     proc = subprocess.Popen(
-        [str(BIN / "better-compute"), "serve", *args, "--ready-file", str(ready)],
+        [*SERVE_WRAPPER, str(BIN / "better-compute"), "serve", *args, "--ready-file", str(ready)],
         env=env,
         stdout=log,
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + SERVE_READY_S
     while not ready.exists():
         if proc.poll() is not None or time.monotonic() > deadline:
             proc.kill()

@@ -231,6 +231,26 @@ class _Race:
         assert notice.serial == self.revoked.serial
 
 
+async def _release_and_watch(
+    run: _Run,
+    race: _Race,
+    revoked: trio.MemoryReceiveChannel[Any],
+    bystander: trio.MemoryReceiveChannel[Any],
+    out: dict[str, Any],
+    *,
+    redial: bool = True,
+) -> None:
+    """Let the held poll go, then note what the revoked node's stream got, which
+    sessions the held poll held, the revoked node's redial (``redial``), and whether
+    the bystander's session is still up."""
+    run.gate.release()
+    out["lines"] = await _rest(revoked)
+    out["held"] = run.gate.held_by_the_held_poll()
+    if redial:
+        out["redial"] = await run.redial(race.revoked)
+    out["bystander_up"] = await _still_up(run, race.bystander, bystander)
+
+
 def _assert_ended_then_refused(race: _Race, out: dict[str, Any]) -> None:
     assert out["lines"] == [None]  # a clean end of stream right away: no line to check
     status, body = out["redial"]
@@ -258,11 +278,7 @@ def test_a_session_opened_and_revoked_while_a_poll_reads_ends_and_is_logged(
         revoked = await run.open(race.revoked)
         bystander = await run.open(race.bystander)
         race.revoke()
-        run.gate.release()
-        out["lines"] = await _rest(revoked)
-        out["held"] = run.gate.held_by_the_held_poll()
-        out["redial"] = await run.redial(race.revoked)
-        out["bystander_up"] = await _still_up(run, race.bystander, bystander)
+        await _release_and_watch(run, race, revoked, bystander, out)
 
     with caplog.at_level(logging.INFO, logger="control.gateway"):
         race.run(body)
@@ -292,11 +308,7 @@ def test_a_session_opened_after_a_poll_read_its_revocation_ends_and_is_logged(
         assert race.revoked.serial not in run.gateway._revoked
         revoked = await run.start(checked)
         bystander = await run.open(race.bystander)
-        run.gate.release()
-        out["lines"] = await _rest(revoked)
-        out["held"] = run.gate.held_by_the_held_poll()
-        out["redial"] = await run.redial(race.revoked)
-        out["bystander_up"] = await _still_up(run, race.bystander, bystander)
+        await _release_and_watch(run, race, revoked, bystander, out)
 
     with caplog.at_level(logging.INFO, logger="control.gateway"):
         race.run(body)
@@ -325,10 +337,7 @@ def test_a_revocation_committed_after_a_poll_read_reaches_a_session_opened_meanw
         bystander = await run.open(race.bystander)
         await run.gate.hold("after")
         race.revoke()
-        run.gate.release()
-        out["lines"] = await _rest(revoked)
-        out["held"] = run.gate.held_by_the_held_poll()
-        out["bystander_up"] = await _still_up(run, race.bystander, bystander)
+        await _release_and_watch(run, race, revoked, bystander, out, redial=False)
 
     with caplog.at_level(logging.INFO, logger="control.gateway"):
         race.run(body)
