@@ -25,7 +25,7 @@ from control import gatewaypki, pki, relay, retention, revocations
 from control.api import App
 from control.errors import ControlError, StoreUnavailable
 from control.gateway import PING_INTERVAL_S, Gateway, NodeCalls
-from control.http import Handler, Lifecycle, Limits, Response, health_response, serve
+from control.http import Handler, Lifecycle, Limits, Request, Response, health_response, serve
 from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService, notice_signer
 from control.metrics import Metrics
 from control.relay import RelayClient, RelayListener
@@ -266,7 +266,7 @@ def main(
     if metrics_listen is not None:
         _split(metrics_listen)  # a usage error before anything starts
         listens["metrics"] = metrics_listen
-        parts.handlers["metrics"] = (metrics.handle, None)
+        parts.handlers["metrics"] = (_metrics_handler(metrics, parts.readiness), None)
     try:
         trio.run(_run, parts, listens, ready_file, drain_s)
     finally:
@@ -499,6 +499,19 @@ async def _count_pending(store: Store) -> int:
 
     with trio.fail_after(2):
         return await trio.to_thread.run_sync(count, abandon_on_cancel=True)
+
+
+def _metrics_handler(metrics: Metrics, readiness: _Readiness | None) -> Handler:
+    """The metrics listener: ``GET /metrics``, and ``/healthz`` and ``/readyz`` as the
+    role's own listeners answer them. A load balancer probes here, over plain HTTP, so
+    its probe never waits for a TLS handshake slot behind a redial storm."""
+
+    async def handle(req: Request) -> Response:
+        if readiness is not None and req.method == "GET" and req.path in ("/healthz", "/readyz"):
+            return await _health(readiness, req.path)
+        return await metrics.handle(req)
+
+    return handle
 
 
 async def _health(ready: Callable[[], Awaitable[tuple[bool, str]]], path: str) -> Response:

@@ -174,11 +174,17 @@ async def test_an_api_and_a_gateway_each_count_their_part(
 
 
 @pytest.mark.e2e
-def test_the_metrics_listener_answers_only_get_metrics(e2e: E2EWorld) -> None:
+def test_the_metrics_listener_answers_only_get_metrics_and_health(e2e: E2EWorld) -> None:
     cp: ControlPlane = e2e.control_plane(extra_args=["--metrics-listen", "127.0.0.1:0"])
     url = str(cp.ready["metrics"])
     with httpx.Client(timeout=10) as client:
         assert client.get(url + "/metrics").status_code == 200
+        # a load balancer's probe, over plain HTTP: no TLS handshake slot to wait for
+        for path, status in (("/healthz", "alive"), ("/readyz", "ready")):
+            answer = client.get(url + path)
+            assert answer.status_code == 200, path
+            assert answer.json() == {"status": "ok", "reason": status}, answer.text
+        assert client.post(url + "/healthz").status_code == 404
         for method, path in (("GET", "/"), ("POST", "/metrics"), ("GET", "/metrics/x")):
             answer = client.request(method, url + path)
             assert answer.status_code == 404, (method, path)
