@@ -149,14 +149,20 @@ class _Readiness:
     draining: bool = False
     _at: float = -1e9
     _answer: tuple[bool, str] = (False, "starting")
+    _checking: bool = False
 
     async def __call__(self) -> tuple[bool, str]:
+        """One check at a time, at most one a second: while one runs (a database that
+        hangs holds it up to 2 s), callers get the last answer."""
         if self.draining:
             return False, "draining"
         now = trio.current_time()
-        if now - self._at >= 1.0:
-            self._at = now
-            self._answer = await self._check()
+        if now - self._at >= 1.0 and not self._checking:
+            self._at, self._checking = now, True
+            try:
+                self._answer = await self._check()
+            finally:
+                self._checking = False
         return self._answer
 
     async def _check(self) -> tuple[bool, str]:

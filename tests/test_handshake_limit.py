@@ -152,6 +152,7 @@ async def test_in_a_drain_a_connection_whose_slot_comes_does_no_tls_work(
     waiter = await _raw(port, says=_client_hello())  # queued for the holder's slot
     silent = await _raw(port)
     with _closing(holder, waiter, silent):
+        await wait_all_tasks_blocked(0.05)  # the waiter queued, the silent one in _talks
         life.begin_drain()
         with trio.fail_after(2):
             await _closed_without_a_byte(silent)  # hung up at once, like an idle connection

@@ -269,3 +269,39 @@ async def test_two_metrics_never_share_a_counter() -> None:
 
 def _get(path: str) -> Request:
     return Request("GET", path, {}, {}, b"", None, "127.0.0.1:1")
+
+
+async def test_the_metrics_listener_answers_health_with_its_roles_readiness(
+    tmp_path: Path,
+) -> None:
+    """A gateway's /readyz on the metrics listener is its readiness, an unready upstream
+    included; the check runs at most once a second however often it is probed, and a
+    health path asked other than by GET is the metrics listener's 404."""
+    from control import server
+    from control.store import open_store
+
+    checks: list[float] = []
+
+    class Gateway(server._Readiness):
+        async def _check(self) -> tuple[bool, str]:
+            checks.append(trio.current_time())
+            return False, "no API upstream answers"
+
+    store = open_store(f"sqlite:///{tmp_path / 'cp.db'}")
+    store.migrate()
+    handle = server._metrics_handler(Metrics(), Gateway(store, trio.CapacityLimiter(1)))
+
+    def get(path: str, method: str = "GET") -> Request:
+        return Request(method, path, {}, {}, b"", None, "127.0.0.1:1")
+
+    alive = await handle(get("/healthz"))
+    assert (alive.status, wire.loads_object(alive.body)["reason"]) == (200, "alive")
+    for _ in range(3):
+        ready = await handle(get("/readyz"))
+        assert ready.status == 503
+        assert wire.loads_object(ready.body) == {
+            "status": "unavailable", "reason": "no API upstream answers"
+        }  # fmt: skip
+    assert len(checks) == 1  # three probes, one check
+    assert (await handle(get("/readyz", "POST"))).status == 404
+    store.close()
