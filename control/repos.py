@@ -190,19 +190,15 @@ def rejoin_node(
 
 
 def shared_key_nodes(tx: Tx, hardware_key: str, tenant_id: str) -> list[Row]:
-    """Live nodes of other tenants claiming the same trusted hardware key (at most 10).
-
-    Through the tenants table, tenant by tenant: the only index on the key is
-    (tenant_id, hardware_key), so ``tenant_id <> ?`` alone scans that whole index, one
-    entry per node, on every join (a tenth of a join's CPU at 2,000 nodes, growing
-    with the fleet); a seek per tenant costs what the tenants number.
-    """
+    """Live nodes of other tenants claiming the same trusted hardware key (at most 10):
+    one seek of ``nodes_hardware_key`` (migration 13). Before it, the only index on the
+    key was (tenant_id, hardware_key), and PostgreSQL walked all of it, one entry per
+    node, on every join (7.9 ms at 40,000 nodes)."""
     return tx.query(
-        "SELECT n.id, n.tenant_id FROM tenants t CROSS JOIN nodes n "
-        "WHERE n.tenant_id = t.id AND t.id <> ? AND n.hardware_key = ? "
-        "AND n.hardware_key_trusted = 1 AND n.retired_at IS NULL "
-        "ORDER BY n.created_at, n.id LIMIT 10",
-        (tenant_id, hardware_key),
+        "SELECT id, tenant_id FROM nodes "
+        "WHERE hardware_key = ? AND hardware_key_trusted = 1 AND tenant_id <> ? "
+        "AND retired_at IS NULL ORDER BY created_at, id LIMIT 10",
+        (hardware_key, tenant_id),
     )
 
 
