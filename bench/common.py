@@ -178,6 +178,27 @@ def machine_claims(rng: random.Random, seed: int, i: int) -> wire.Claims:
     )
 
 
+def join_body(
+    parsed: wire.JoinToken,
+    encryption_key: ec.EllipticCurvePublicKey,
+    csr_der: bytes,
+    claims: wire.Claims,
+) -> bytes:
+    """A JoinRequest body as bcd.join builds it: the token sealed now, to this CSR."""
+    sealed = wire.seal_token(parsed, encryption_key, csr_der, int(time.time()))
+    req = wire.JoinRequest(
+        role="node",
+        attestor="",
+        sealed_token=sealed,
+        csr_der=csr_der,
+        claims=claims,
+        evidence={},
+        node_id=None,
+        daemon_version=__version__,
+    )
+    return wire.dumps(req.to_json())
+
+
 def build_bodies(
     n: int, token: str, encryption_key: ec.EllipticCurvePublicKey, seed: int
 ) -> list[Prepared]:
@@ -188,19 +209,8 @@ def build_bodies(
     for i in range(n):
         key = pki.generate_key()
         csr_der = pki.make_csr(key)
-        sealed = wire.seal_token(parsed, encryption_key, csr_der, int(time.time()))
-        claims = machine_claims(rng, seed, i)
-        req = wire.JoinRequest(
-            role="node",
-            attestor="",
-            sealed_token=sealed,
-            csr_der=csr_der,
-            claims=claims,
-            evidence={},
-            node_id=None,
-            daemon_version=__version__,
-        )
-        out.append(Prepared(wire.dumps(req.to_json()), csr_der, key))
+        body = join_body(parsed, encryption_key, csr_der, machine_claims(rng, seed, i))
+        out.append(Prepared(body, csr_der, key))
     return out
 
 

@@ -22,8 +22,10 @@ so a run sees several pings and the simulators keep up with them.
 nodes. A node is a real bcd identity: its own P-256 key and certificate from a real
 join, in a :class:`bcd.identitystore.MemoryStore`, loaded with
 :func:`bcd.identity.load_from`. It talks through bcd's own code only: the join is
-:func:`bcd.join.gateway_sender` and :func:`bcd.join.verify_joined`; the session is
-:func:`bcd.session.session_task` (its own reconnect backoff, 1 s doubling to 60 s with
+:func:`bcd.join.send_with_retries` over :func:`bcd.join.gateway_sender` (bcd's own
+backoff and the server's pushback, the token sealed anew for each attempt; a retried
+attempt counts as "retried join", not as an error) and :func:`bcd.join.verify_joined`;
+the session is :func:`bcd.session.session_task` (its own reconnect backoff, 1 s doubling to 60 s with
 jitter, and its check of the signed revocation notice); the renewal is
 :func:`bcd.renew.renew_once` over :func:`bcd.renew.gateway_renew_sender` (the store
 written as bcd writes it). All over :mod:`bcd.transport` and real TLS.
@@ -115,13 +117,18 @@ if str(ROOT) not in sys.path:
 import psycopg  # noqa: E402
 import trio  # noqa: E402
 
-from bcd import wire  # noqa: E402
+from bcd import pki, wire  # noqa: E402
 from bcd.config import Config  # noqa: E402
-from bcd.errors import BcdError, CertificateRevoked, TransportError  # noqa: E402
+from bcd.errors import (  # noqa: E402
+    BcdError,
+    CertificateRevoked,
+    RetryableError,
+    TransportError,
+)
 from bcd.identity import AnyState, MemoryStore, load_from  # noqa: E402
 from bcd.identitydoc import IDENTITY_FILE, NODE_KEY_FILE  # noqa: E402
 from bcd.issued import issued_identity  # noqa: E402
-from bcd.join import gateway_sender, verify_joined  # noqa: E402
+from bcd.join import gateway_sender, send_with_retries, verify_joined  # noqa: E402
 from bcd.keys.file import key_to_pem  # noqa: E402
 from bcd.renew import gateway_renew_sender, renew_once  # noqa: E402
 from bcd.servingca import serving_ca  # noqa: E402
@@ -129,7 +136,8 @@ from bcd.session import SessionInfo, session_task  # noqa: E402
 from bench.common import (  # noqa: E402
     PG_URL,
     SERVER_NAME,
-    build_bodies,
+    join_body,
+    machine_claims,
     pg_backends_cpu_s,
     print_environment,
     proc_cpu_s,
@@ -335,15 +343,31 @@ class Simulator:
         key = wire.public_key_of_jwk(encryption_jwk)
 
         async def one(node: SimNode) -> None:
-            token = tokens[node.k % len(tokens)]
+            parsed = wire.parse_token(tokens[node.k % len(tokens)])
+            seed = 1_000_000 + node.i
+            node_key = pki.generate_key()
+            csr_der = pki.make_csr(node_key)
+            claims = machine_claims(random.Random(seed), seed, 0)
+            send = gateway_sender(node.cfg)
+
+            async def attempt(body: bytes) -> str:
+                try:
+                    return await send(body)
+                except (RetryableError, TransportError) as exc:  # bcd retries these
+                    self.c.error("retried join", f"{type(exc).__name__}: {exc}")
+                    raise
+
             try:
-                prepared = build_bodies(1, token, key, 1_000_000 + node.i)[0]
-                signed = await gateway_sender(node.cfg)(prepared.body)
+                # bcd's own retries (bcd.join.send_with_retries: its backoff, the
+                # server's pushback, the token sealed anew on each attempt)
+                signed = await send_with_retries(
+                    attempt, lambda: join_body(parsed, key, csr_der, claims)
+                )
                 body = verify_joined(
                     signed,
                     signing_pin=self.signing_pin,
-                    csr_der=prepared.csr_der,
-                    key=prepared.key.public_key(),
+                    csr_der=csr_der,
+                    key=node_key.public_key(),
                     role="node",
                 )
                 if not isinstance(body, wire.Issued) or body.kind != "joined":
@@ -352,7 +376,7 @@ class Simulator:
                 identity = issued_identity(body, "file")
                 store = MemoryStore(
                     f"node{node.i}",
-                    {IDENTITY_FILE: identity.to_json(), NODE_KEY_FILE: key_to_pem(prepared.key)},
+                    {IDENTITY_FILE: identity.to_json(), NODE_KEY_FILE: key_to_pem(node_key)},
                 )
                 node.state = load_from(store)
                 node.node_id = identity.node_id
@@ -941,6 +965,15 @@ def error_texts(answers: list[dict[str, Any]]) -> dict[str, int]:
     return out
 
 
+def show_error_texts(phase: Phase, answers: list[dict[str, Any]]) -> dict[str, int]:
+    """The workers' error texts, counted, and printed at once (a run stopped later
+    keeps them in its log)."""
+    texts = error_texts(answers)
+    for what, count in sorted(texts.items(), key=lambda kv: -kv[1])[:20]:
+        print(f"  [{phase.name}] {count} × {what}", flush=True)
+    return texts
+
+
 # --- the phases ---------------------------------------------------------------------
 
 
@@ -972,7 +1005,8 @@ def phase_join(run: Run, tokens_per_worker: list[list[str]], jwk: dict[str, Any]
     answers = run.collect("join", 3600)
     phase = run.end(phase, error_count(answers, "join"))
     phase.detail["nodes"] = {i: nid for a in answers for i, nid in a["nodes"]}
-    phase.detail["error_texts"] = error_texts(answers)
+    phase.detail["error_texts"] = show_error_texts(phase, answers)
+    phase.detail["retried"] = error_count(answers, "retried join")
     return phase
 
 
@@ -996,7 +1030,7 @@ def phase_renewal(run: Run) -> Phase:
     phase = run.begin("renewal")
     answers = run.broadcast("renew", 3600)
     phase = run.end(phase, error_count(answers, "renewal"))
-    phase.detail["error_texts"] = error_texts(answers)
+    phase.detail["error_texts"] = show_error_texts(phase, answers)
     phase.detail["retried"] = error_count(answers, "retried renewal")
     return phase
 
@@ -1161,6 +1195,7 @@ def figures(
         "join_floor_ratio": join_cpu * 1000 / floors["join"],
         "join_pg_xacts": join.xacts / max(joined, 1),
         "join_pg_cpu_ms": join.pg_cpu_s() * 1000 / max(joined, 1),
+        "join_retried": join.detail.get("retried", 0),
         "session_open_gateway_cpu_ms": sum(
             v
             for k, v in (sessions.spent.procs if sessions.spent else {}).items()
@@ -1203,7 +1238,8 @@ FIGURE_KEYS = (
     "errors", "joins_per_s", "join_cpu_ms", "join_floor_ratio", "join_pg_xacts",
     "join_pg_cpu_ms", "gateway_rss_kb_per_session", "gateway_cpu_us_per_session_s",
     "gateway_cpu_us_per_ping", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
-    "renewal_pg_xacts", "renewal_pg_cpu_ms", "revocation_p50_ms", "revocation_p99_ms", "reconnect_time_s",
+    "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
+    "revocation_p99_ms", "reconnect_time_s",
     "reconnect_peak_cpu_cores", "reconnect_rate_per_s", "cpu_total_by_role_s",
 )  # fmt: skip
 
@@ -1499,10 +1535,6 @@ def main(argv: list[str] | None = None) -> int:
                     )
     instructions.clean()
     fig = figures(args, phases, sampler.samples, floors, n)
-    for name in ("join", "renewal"):
-        texts = phases[name].detail.get("error_texts")
-        if texts:
-            print(f"{name} errors: {texts}")
     print_figures(fig)
     print_extrapolation(fig)
     if args.profile:
