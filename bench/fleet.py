@@ -114,8 +114,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+import httpx  # noqa: E402
 import psycopg  # noqa: E402
 import trio  # noqa: E402
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from bcd import pki, wire  # noqa: E402
 from bcd.config import Config  # noqa: E402
@@ -879,12 +881,14 @@ class Run:
         self.phases: list[Phase] = []
         self._meter: Meter | None = None
         self._xact = 0
+        self._handshakes: dict[str, dict[str, float]] = {}
         self.profiler = profiler or Profiler(Path("."), False)
         self.instructions = instructions or Instructions(Path("."), False)
 
     def begin(self, name: str) -> Phase:
         self._meter = Meter(self.roles)
         self._xact = xact_commit()
+        self._handshakes = handshake_outcomes(self.roles)
         self._meter.start()
         targets = {"api": self.roles.pids["api"], "gw2": self.roles.pids["gw2"]}
         self.profiler.start(name, {**targets, "sim0": self.workers[0].proc.pid})
@@ -902,10 +906,16 @@ class Run:
         phase.instructions = self.instructions.stop(self.roles.pids)
         phase.xacts = xact_commit() - self._xact
         phase.errors = errors
+        now = handshake_outcomes(self.roles)  # the gateways alive at both ends of the phase
+        phase.detail["handshakes"] = {
+            outcome: sum(now[gw][outcome] - self._handshakes[gw][outcome] for gw in now)
+            for outcome in HANDSHAKE_OUTCOMES
+        }
         print(
             f"[{phase.name}] {phase.wall_s:.2f} s, errors {errors}, control-plane CPU "
             f"{phase.control_cpu_s():.2f} s ({phase.pg_cpu_s():.2f} s PostgreSQL), "
-            f"{phase.xacts} PostgreSQL transactions",
+            f"{phase.xacts} PostgreSQL transactions; the gateways' TLS handshakes: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in phase.detail["handshakes"].items()),
             flush=True,
         )
         return phase
@@ -949,6 +959,28 @@ class Run:
                         raise
                     self.progress()
         return answers
+
+
+HANDSHAKE_OUTCOMES = ("completed", "failed", "timed-out", "silent", "no-slot")
+
+
+def handshake_outcomes(roles: Roles) -> dict[str, dict[str, float]]:
+    """Each running gateway's ``bc_tls_handshakes_total`` of its gateway listener, by
+    outcome (a killed gateway's are gone with it)."""
+    out: dict[str, dict[str, float]] = {}
+    for i, gw in enumerate(roles.fleet.gateways):
+        name = f"gw{i + 1}"
+        if name not in roles.pids:
+            continue
+        answer = httpx.get(f"{gw.ready['metrics']}/metrics", timeout=10)
+        answer.raise_for_status()
+        counts = out[name] = dict.fromkeys(HANDSHAKE_OUTCOMES, 0.0)
+        for family in text_string_to_metric_families(answer.text):
+            for sample in family.samples:
+                labels = sample.labels
+                if sample.name == "bc_tls_handshakes_total" and labels["listener"] == "gateway":
+                    counts[labels["outcome"]] = sample.value
+    return out
 
 
 def error_count(answers: list[dict[str, Any]], phase: str) -> int:
@@ -1227,6 +1259,8 @@ def figures(
         "reconnect_min_up": restart.detail["min_up"],
         "reconnect_time_s": restart.detail["time_to_all_s"],
         "reconnect_peak_cpu_cores": max(in_restart, default=0.0),
+        # the surviving gateways' TLS handshakes over the phase, by outcome
+        "reconnect_handshakes": restart.detail.get("handshakes"),
         "reconnect_rate_per_s": [(round(t, 2), round(r, 1)) for t, r in reconnects],
         "cpu_total_by_role_s": totals,
         **instruction_figures(phases, floors, joined, renewals, n),
@@ -1240,7 +1274,8 @@ FIGURE_KEYS = (
     "gateway_cpu_us_per_ping", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
     "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
     "revocation_p99_ms", "reconnect_time_s",
-    "reconnect_peak_cpu_cores", "reconnect_rate_per_s", "cpu_total_by_role_s",
+    "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s",
+    "cpu_total_by_role_s",
 )  # fmt: skip
 
 
@@ -1482,7 +1517,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{floors['renewal']:.3f} ms/renewal")  # fmt: skip
         # the gateways' access log and failed handshakes with BCD_FLEET_GW_LOG=debug
         gateway_flags = ["--session-ping-seconds", str(args.ping_seconds),
-                         "--log-level", os.environ.get("BCD_FLEET_GW_LOG", "info")]  # fmt: skip
+                         "--log-level", os.environ.get("BCD_FLEET_GW_LOG", "info"),
+                         "--metrics-listen", "127.0.0.1:0"]  # fmt: skip
         with bench_fleet(
             tmp / "fleet",
             template,

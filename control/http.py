@@ -65,11 +65,20 @@ class Response:
 
 Handler = Callable[[Request], Awaitable[Response]]
 OnLimit = Callable[[str], None]
+OnHandshake = Callable[[str], None]
+"""Told each TLS connection's handshake outcome: ``completed``, ``failed`` (the client's
+TLS was refused, or it went away), ``timed-out`` (not done in ``HANDSHAKE_TIMEOUT``),
+``silent`` (it sent nothing with a fifth of that left) or ``no-slot`` (no handshake slot
+came in time; also an ``OnLimit`` hit). Connections hung up by a drain are not told."""
 """Told the name of each limit a connection or request ran into (metrics)."""
 _LIMIT_OF_STATUS = {413: "request-body", 431: "request-head"}
 
 
 def _no_limit(_name: str) -> None:
+    pass
+
+
+def _no_handshake(_outcome: str) -> None:
     pass
 
 
@@ -271,13 +280,15 @@ async def serve(
     life: Lifecycle | None = None,
     limits: Limits | None = None,
     on_limit: OnLimit = _no_limit,
+    on_handshake: OnHandshake | None = None,
     task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
 ) -> None:
     """Serve ``handler`` on host:port (0: any free port) until cancelled or drained.
 
-    ``task_status.started`` reports the port actually bound. After
-    ``life.begin_drain()`` no connection is accepted and the call returns once every
-    connection has ended.
+    ``task_status.started`` reports the port actually bound; ``on_limit`` is told each
+    connection or call a limit turned away, ``on_handshake`` each TLS connection's
+    handshake outcome. After ``life.begin_drain()`` no connection is accepted and the
+    call returns once every connection has ended.
     """
     life = life or Lifecycle()
     listeners = await trio.open_tcp_listeners(port, host=host)
@@ -289,7 +300,15 @@ async def serve(
     limits = limits or Limits()
     gate = _Gate(limits, on_limit)
     connection = partial(
-        _connection, handler, ssl_context, max_body, life, limits.idle_timeout, on_limit, gate
+        _connection,
+        handler,
+        ssl_context,
+        max_body,
+        life,
+        limits.idle_timeout,
+        on_limit,
+        on_handshake or _no_handshake,
+        gate,
     )
     async with trio.open_nursery() as connections:
         with trio.CancelScope() as accepting:
@@ -376,6 +395,7 @@ async def _connection(
     life: Lifecycle,
     idle_timeout: float,
     on_limit: OnLimit,
+    on_handshake: OnHandshake,
     gate: _Gate,
     tcp: trio.SocketStream,
     remote: str,
@@ -387,11 +407,16 @@ async def _connection(
         if ssl_context is not None:
             deadline = trio.current_time() + HANDSHAKE_TIMEOUT
             if not await _talks(tcp, deadline - HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE, life):
-                logger.debug("TLS handshake from %s: nothing sent in time", remote)
+                if not life.draining.is_set():
+                    logger.debug("TLS handshake from %s: nothing sent in time", remote)
+                    on_handshake("silent")
                 return  # a silent connection never took a handshake slot
             async with gate.handshake_slot(source, deadline) as slot:
-                if not slot or life.draining.is_set():
-                    return  # no TLS work for a connection that came too late, or in a drain
+                if life.draining.is_set():
+                    return  # no TLS work for a connection in a drain
+                if not slot:
+                    on_handshake("no-slot")
+                    return  # nor for one whose slot came too late
                 tls = trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=True)
                 stream = tls
                 try:
@@ -399,7 +424,9 @@ async def _connection(
                         await tls.do_handshake()
                 except (*_GONE, OSError) as exc:
                     logger.debug("TLS handshake from %s failed: %r", remote, exc)
+                    on_handshake("timed-out" if isinstance(exc, trio.TooSlowError) else "failed")
                     return
+            on_handshake("completed")
             peer_der = tls.getpeercert(binary_form=True)
         if ssl_context is not None and peer_der is None:
             idle_timeout = min(idle_timeout, ANONYMOUS_IDLE_TIMEOUT)

@@ -40,6 +40,8 @@ LIMITS = (
     "vouches-per-site-agent",
 )
 REPORT_DROP_REASONS = ("queue-full", "upstream")
+HANDSHAKE_OUTCOMES = ("completed", "failed", "timed-out", "silent", "no-slot")
+TLS_LISTENERS = ("gateway", "relay")
 _REASON = re.compile(r"[a-z][a-z0-9-]{0,39}")
 REASONS_PER_ATTESTOR = 32
 """Distinct reason labels per attestor (and for renewals); any further reason is ``other``."""
@@ -109,6 +111,11 @@ class Metrics:
             "bc_rate_limit_hits", "Calls or connections turned away by a limit, by its name.",
             ["limit"], registry=r,
         )  # fmt: skip
+        self.handshakes = Counter(
+            "bc_tls_handshakes", "TLS connections of a listener by how their handshake "
+            "ended (completed, failed, timed-out, silent, no-slot).", ["listener", "outcome"],
+            registry=r,
+        )  # fmt: skip
         self.join_requests_pending = Gauge(
             "bc_join_requests_pending", "Join requests waiting for an operator's decision "
             f"(counted at a scrape, at most every {PENDING_REFRESH_S:.0f} s).", registry=r,
@@ -154,6 +161,20 @@ class Metrics:
 
     def limit_hit(self, limit: str) -> None:
         self.limit_hits.labels(limit if limit in LIMITS else "other").inc()
+
+    def handshake_counter(self, listener: str) -> Callable[[str], None]:
+        """What counts ``listener``'s handshake outcomes (``control.http.OnHandshake``),
+        each outcome at zero from the start."""
+        name = listener if listener in TLS_LISTENERS else "other"
+        for outcome in HANDSHAKE_OUTCOMES:
+            self.handshakes.labels(name, outcome)
+
+        def count(outcome: str) -> None:
+            self.handshakes.labels(
+                name, outcome if outcome in HANDSHAKE_OUTCOMES else "other"
+            ).inc()
+
+        return count
 
     def observe_tx(self, seconds: float) -> None:
         self.db_tx.observe(seconds)

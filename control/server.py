@@ -550,6 +550,8 @@ async def _serve_until_signal(
         async with trio.open_nursery() as servers:
             for name, (handler, ctx) in parts.handlers.items():
                 host, port = _split(listens[name])
+                # a TLS listener's handshakes, by outcome (a plain listener has none)
+                counted = parts.metrics.handshake_counter(name) if ctx is not None else None
                 bound[name] = await servers.start(
                     functools.partial(
                         serve,
@@ -560,6 +562,7 @@ async def _serve_until_signal(
                         life=life,
                         limits=parts.limits[name],
                         on_limit=parts.metrics.limit_hit,
+                        on_handshake=counted,
                     )
                 )
                 if name == "gateway" and parts.gateway_url_host and parts.publish_gateway:

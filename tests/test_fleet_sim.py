@@ -47,4 +47,6 @@ def test_every_phase_without_error(tmp_path: Path) -> None:
     # gw1 held the sessions of half the nodes but its revoked ones; all moved to gw2
     assert figures["reconnect_nodes"] >= 20 - figures["revocations"]
     assert figures["reconnect_time_s"] is not None
+    # each node that moved completed a handshake on gw2 (bc_tls_handshakes_total)
+    assert figures["reconnect_handshakes"]["completed"] >= figures["reconnect_nodes"]
     assert (tmp_path / "fleet-40.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

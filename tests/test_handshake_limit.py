@@ -32,6 +32,7 @@ async def _serve(
     limits: Limits,
     hits: list[str] | None = None,
     life: http.Lifecycle | None = None,
+    outcomes: list[str] | None = None,
 ) -> int:
     port: int = await nursery.start(
         functools.partial(
@@ -43,6 +44,7 @@ async def _serve(
             life=life,
             limits=limits,
             on_limit=(hits if hits is not None else []).append,
+            on_handshake=(outcomes if outcomes is not None else []).append,
         )
     )
     return port
@@ -132,22 +134,27 @@ async def test_a_connection_that_sends_nothing_takes_no_slot(
 ) -> None:
     monkeypatch.setattr(http, "HANDSHAKE_TIMEOUT", 1.0)
     hits: list[str] = []
-    port = await _serve(nursery, tmp_path, ONE, hits)
+    outcomes: list[str] = []
+    port = await _serve(nursery, tmp_path, ONE, hits, outcomes=outcomes)
     silent = await _raw(port)
     with _closing(silent):
         with trio.fail_after(2):  # the only slot is free: had the silent one taken it, no
             tls = await _tls(port)  # slot would have come with 0.2 s of this one's left
+        await wait_all_tasks_blocked(0.05)  # the server has read the client's Finished
         await tls.aclose()
+        assert outcomes == ["completed"]
         with trio.fail_after(2):  # closed when it has said nothing with 0.2 s left
             await _closed_without_a_byte(silent)
     assert hits == []  # not a connection the handshake bound turned away
+    assert outcomes == ["completed", "silent"]  # but counted, so an operator sees them
 
 
 async def test_in_a_drain_a_connection_whose_slot_comes_does_no_tls_work(
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     life = http.Lifecycle()
-    port = await _serve(nursery, tmp_path, ONE, life=life)
+    outcomes: list[str] = []
+    port = await _serve(nursery, tmp_path, ONE, life=life, outcomes=outcomes)
     holder = await _stalled(port)
     waiter = await _raw(port, says=_client_hello())  # queued for the holder's slot
     silent = await _raw(port)
@@ -159,6 +166,9 @@ async def test_in_a_drain_a_connection_whose_slot_comes_does_no_tls_work(
         holder.close()  # its slot frees and goes to the waiter
         with trio.fail_after(2):
             await _closed_without_a_byte(waiter)  # no ServerHello
+    # the holder's handshake failed (its client went away); the drain's hang-ups of the
+    # silent one and the waiter are not handshakes that went wrong
+    assert outcomes == ["failed"]
 
 
 async def test_one_source_cannot_take_the_slots_of_the_others(
@@ -197,7 +207,8 @@ async def test_a_connection_without_a_slot_in_time_is_closed_without_tls_work(
     # machine) and still find no slot
     monkeypatch.setattr(http, "HANDSHAKE_TIMEOUT", 2.0)
     hits: list[str] = []
-    port = await _serve(nursery, tmp_path, limits, hits)
+    outcomes: list[str] = []
+    port = await _serve(nursery, tmp_path, limits, hits, outcomes=outcomes)
     stalled = await _stalled(port, holder)  # holds the slot its whole 2 s
     started = time.monotonic()
     waiting = [await _raw(port, says=_client_hello()), await _raw(port, says=_client_hello())]
@@ -206,13 +217,33 @@ async def test_a_connection_without_a_slot_in_time_is_closed_without_tls_work(
             for sock in waiting:
                 await _closed_without_a_byte(sock)  # no ServerHello: no TLS work
         assert time.monotonic() - started >= 1.0  # it did wait for a slot
+        with trio.fail_after(2):
+            await _closed_without_a_byte(stalled)  # its 2 s ran out
     assert hits == [limit, limit]
+    assert outcomes == ["no-slot", "no-slot", "timed-out"]
     warnings = [r.getMessage() for r in caplog.records if r.name == "control.http"]
     assert warnings == [
         "handshake limit: closed 1 connections that found no TLS handshake slot in time "
         f"(at most {limits.max_handshakes} handshakes at once, "
         f"{limits.max_handshakes_per_source} per source)"
     ]  # one a minute
+
+
+async def test_a_client_that_does_not_speak_tls_is_counted_as_a_failed_handshake(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    outcomes: list[str] = []
+    port = await _serve(nursery, tmp_path, ONE, outcomes=outcomes)
+    plain = await _raw(port, says=b"GET / HTTP/1.1\r\nHost: gw.test\r\n\r\n")
+    with _closing(plain), trio.fail_after(2), contextlib.suppress(ConnectionResetError):
+        while await plain.recv(65536):  # an alert, perhaps, then the end
+            pass
+    assert outcomes == ["failed"]  # counted before the server closed it
+    with trio.fail_after(2):
+        tls = await _tls(port)  # its slot was given back
+    await wait_all_tasks_blocked(0.05)  # the server has read the client's Finished
+    await tls.aclose()
+    assert outcomes == ["failed", "completed"]
 
 
 async def test_a_listener_without_tls_has_no_handshake_slots(nursery: trio.Nursery) -> None:

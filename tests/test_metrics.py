@@ -128,6 +128,15 @@ async def test_the_counters_move_as_the_run_did(
     assert _value(after, "bc_db_transaction_duration_seconds_count") > 10
     assert _value(after, "bc_join_requests_pending") == 0
     assert _value(after, "bc_rate_limit_hits_total", limit="renewals-per-node") == 0
+    # two joins, two renewals and a session, each its own TLS connection to the gateway
+    hs = "bc_tls_handshakes_total"
+    assert _value(after, hs, listener="gateway", outcome="completed") >= 5
+    assert {k[1] for k in after if k[0] == hs} == {
+        (("listener", "gateway"), ("outcome", o))
+        for o in ("completed", "failed", "timed-out", "silent", "no-slot")
+    }  # the plain API and metrics listeners have no handshakes
+    assert _value(after, hs, listener="gateway", outcome="no-slot") == 0
+    assert _value(after, hs, listener="gateway", outcome="timed-out") == 0
     _no_ids(after)
 
 
@@ -169,6 +178,11 @@ async def test_an_api_and_a_gateway_each_count_their_part(
     # the join and the renewal went through the relay, answered
     assert _value(at_gw, "bc_relay_duration_seconds_count", outcome="answered") >= 2
     assert _value(at_gw, "bc_db_transaction_duration_seconds_count") >= 2  # peer checks
+    # the node's calls at the gateway; the gateway's relayed calls at the API's relay listener
+    hs = "bc_tls_handshakes_total"
+    assert _value(at_gw, hs, listener="gateway", outcome="completed") >= 3
+    assert _value(at_api, hs, listener="relay", outcome="completed") >= 1
+    assert _value(at_api, hs, listener="gateway", outcome="completed") == 0
     _no_ids(at_api)
     _no_ids(at_gw)
 
@@ -265,6 +279,32 @@ async def test_two_metrics_never_share_a_counter() -> None:
     mine = (await a.handle(_get("/metrics"))).body.decode()
     assert 'bc_joins_total{attestor="join-token",outcome="joined"} 1.0' in mine
     assert 'bc_rate_limit_hits_total{limit="other"} 1.0' in mine
+
+
+def test_handshake_outcomes_are_bounded_labels() -> None:
+    m = Metrics()
+    gateway = m.handshake_counter("gateway")
+    gateway("completed")
+    gateway("from a hostile peer")  # never a label of its own
+    m.handshake_counter("api; drop")("silent")
+    samples = {
+        tuple(sorted(s.labels.items())): s.value
+        for family in m.registry.collect()
+        for s in family.samples
+        if s.name == "bc_tls_handshakes_total"
+    }
+    assert samples[(("listener", "gateway"), ("outcome", "completed"))] == 1
+    assert samples[(("listener", "gateway"), ("outcome", "other"))] == 1
+    assert samples[(("listener", "gateway"), ("outcome", "no-slot"))] == 0  # there from the start
+    assert samples[(("listener", "other"), ("outcome", "silent"))] == 1
+    assert {v for k in samples for name, v in k if name == "listener"} == {"gateway", "other"}
+
+
+def test_every_metric_is_documented_for_operators() -> None:
+    documented = (Path(__file__).parent.parent / "docs" / "operators.md").read_text()
+    for family in Metrics().registry.collect():
+        shown = f"{family.name}_total" if family.type == "counter" else family.name
+        assert f"| `{shown}` |" in documented, shown
 
 
 def _get(path: str) -> Request:
