@@ -121,12 +121,7 @@ from prometheus_client.parser import text_string_to_metric_families  # noqa: E40
 
 from bcd import pki, wire  # noqa: E402
 from bcd.config import Config  # noqa: E402
-from bcd.errors import (  # noqa: E402
-    BcdError,
-    CertificateRevoked,
-    RetryableError,
-    TransportError,
-)
+from bcd.errors import BcdError, CertificateRevoked, TransportError  # noqa: E402
 from bcd.identity import AnyState, MemoryStore, load_from  # noqa: E402
 from bcd.identitydoc import IDENTITY_FILE, NODE_KEY_FILE  # noqa: E402
 from bcd.issued import issued_identity  # noqa: E402
@@ -345,26 +340,34 @@ class Simulator:
         key = wire.public_key_of_jwk(encryption_jwk)
 
         async def one(node: SimNode) -> None:
-            parsed = wire.parse_token(tokens[node.k % len(tokens)])
             seed = 1_000_000 + node.i
             node_key = pki.generate_key()
             csr_der = pki.make_csr(node_key)
             claims = machine_claims(random.Random(seed), seed, 0)
             send = gateway_sender(node.cfg)
+            failed: list[str] = []  # each attempt's failure; all but a last one were retried
 
             async def attempt(body: bytes) -> str:
                 try:
                     return await send(body)
-                except (RetryableError, TransportError) as exc:  # bcd retries these
-                    self.c.error("retried join", f"{type(exc).__name__}: {exc}")
+                except BcdError as exc:
+                    failed.append(f"{type(exc).__name__}: {exc}")
                     raise
 
             try:
+                parsed = wire.parse_token(tokens[node.k % len(tokens)])
                 # bcd's own retries (bcd.join.send_with_retries: its backoff, the
                 # server's pushback, the token sealed anew on each attempt)
-                signed = await send_with_retries(
-                    attempt, lambda: join_body(parsed, key, csr_der, claims)
-                )
+                try:
+                    signed = await send_with_retries(
+                        attempt, lambda: join_body(parsed, key, csr_der, claims)
+                    )
+                except BcdError:
+                    failed[-1:] = []  # the attempt bcd gave up on is the join's error
+                    raise
+                finally:
+                    for text in failed:
+                        self.c.error("retried join", text)
                 body = verify_joined(
                     signed,
                     signing_pin=self.signing_pin,
@@ -906,9 +909,10 @@ class Run:
         phase.instructions = self.instructions.stop(self.roles.pids)
         phase.xacts = xact_commit() - self._xact
         phase.errors = errors
-        now = handshake_outcomes(self.roles)  # the gateways alive at both ends of the phase
+        now = handshake_outcomes(self.roles)
+        both = now.keys() & self._handshakes.keys()  # the gateways read at both ends
         phase.detail["handshakes"] = {
-            outcome: sum(now[gw][outcome] - self._handshakes[gw][outcome] for gw in now)
+            outcome: sum(now[gw][outcome] - self._handshakes[gw][outcome] for gw in both)
             for outcome in HANDSHAKE_OUTCOMES
         }
         print(
@@ -972,8 +976,12 @@ def handshake_outcomes(roles: Roles) -> dict[str, dict[str, float]]:
         name = f"gw{i + 1}"
         if name not in roles.pids:
             continue
-        answer = httpx.get(f"{gw.ready['metrics']}/metrics", timeout=10)
-        answer.raise_for_status()
+        try:
+            answer = httpx.get(f"{gw.ready['metrics']}/metrics", timeout=10)
+            answer.raise_for_status()
+        except httpx.HTTPError as exc:  # a figure lost, not the run
+            print(f"  (no handshake figures from {name}: {exc})", flush=True)
+            continue
         counts = out[name] = dict.fromkeys(HANDSHAKE_OUTCOMES, 0.0)
         for family in text_string_to_metric_families(answer.text):
             for sample in family.samples:
@@ -998,9 +1006,10 @@ def error_texts(answers: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def show_error_texts(phase: Phase, answers: list[dict[str, Any]]) -> dict[str, int]:
-    """The workers' error texts, counted, and printed at once (a run stopped later
-    keeps them in its log)."""
-    texts = error_texts(answers)
+    """The phase's error texts (its own and its retries'; a worker's counts are the
+    whole run's), counted, and printed at once (a run stopped later keeps them)."""
+    kinds = (f"{phase.name}:", f"retried {phase.name}:")
+    texts = {k: v for k, v in error_texts(answers).items() if k.startswith(kinds)}
     for what, count in sorted(texts.items(), key=lambda kv: -kv[1])[:20]:
         print(f"  [{phase.name}] {count} × {what}", flush=True)
     return texts

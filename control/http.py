@@ -15,6 +15,7 @@ import contextlib
 import ipaddress
 import logging
 import math
+import socket
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -65,12 +66,14 @@ class Response:
 
 Handler = Callable[[Request], Awaitable[Response]]
 OnLimit = Callable[[str], None]
-OnHandshake = Callable[[str], None]
-"""Told each TLS connection's handshake outcome: ``completed``, ``failed`` (the client's
-TLS was refused, or it went away), ``timed-out`` (not done in ``HANDSHAKE_TIMEOUT``),
-``silent`` (it sent nothing with a fifth of that left) or ``no-slot`` (no handshake slot
-came in time; also an ``OnLimit`` hit). Connections hung up by a drain are not told."""
 """Told the name of each limit a connection or request ran into (metrics)."""
+OnHandshake = Callable[[str], None]
+"""Told each TLS connection's handshake outcome: ``completed``; ``failed`` (the
+client's TLS was refused, or it went away mid-handshake); ``timed-out`` (not done in
+``HANDSHAKE_TIMEOUT``); ``silent`` (it closed, or had sent nothing with a fifth of that
+time left, without a byte: a TCP health check, a port scan); ``no-slot`` (no handshake
+slot came in time, as the ``OnLimit`` hit says, in a drain too). A connection hung up
+by a drain before or after its wait for a slot is not told."""
 _LIMIT_OF_STATUS = {413: "request-body", 431: "request-head"}
 
 
@@ -412,11 +415,11 @@ async def _connection(
                     on_handshake("silent")
                 return  # a silent connection never took a handshake slot
             async with gate.handshake_slot(source, deadline) as slot:
-                if life.draining.is_set():
-                    return  # no TLS work for a connection in a drain
                 if not slot:
-                    on_handshake("no-slot")
-                    return  # nor for one whose slot came too late
+                    on_handshake("no-slot")  # as the limit hit counted it
+                    return  # no TLS work for a connection whose slot came too late
+                if life.draining.is_set():
+                    return  # nor for one in a drain
                 tls = trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=True)
                 stream = tls
                 try:
@@ -441,8 +444,9 @@ async def _connection(
 
 
 async def _talks(tcp: trio.SocketStream, by: float, life: Lifecycle) -> bool:
-    """Wait until the client has sent something (a ClientHello's first bytes, or its
-    end of the connection) by ``by``; False when it has not, or a drain began first (a
+    """Wait until the client has sent something (a ClientHello's first bytes) by
+    ``by``; False when it has not, when it closed the connection without a byte (a TCP
+    health check, a scan: it takes no handshake slot), or when a drain began first (a
     connection that has said nothing is hung up like one between requests)."""
     if life.draining.is_set():
         return False
@@ -450,10 +454,14 @@ async def _talks(tcp: trio.SocketStream, by: float, life: Lifecycle) -> bool:
         life.waiting.add(waiting)
         try:
             await trio.lowlevel.wait_readable(tcp.socket)
-            return True
         finally:
             life.waiting.discard(waiting)
-    return False
+    if waiting.cancelled_caught:
+        return False
+    try:  # readable: a byte, or the end of the connection (or its reset)
+        return bool(await tcp.socket.recv(1, socket.MSG_PEEK))
+    except OSError:
+        return False
 
 
 async def _write(stream: trio.abc.Stream, data: bytes) -> None:
