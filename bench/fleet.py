@@ -145,6 +145,15 @@ DEFAULT_OUT = ROOT / "bench" / "out"
 TICK_S = 0.25
 DIAL_SLOTS = 4  # session dials at a time per simulator process, times --concurrency
 RENEW_TRIES = 3
+FULL_COLLECTIONS_AFTER = 1_000_000
+"""A simulator process's third ``gc`` threshold (young collections before a full one):
+no full collection runs by itself, only :func:`settle`'s between phases. A full
+collection walks every object of the oldest generation not yet frozen, and at N =
+100,000 (12,500 nodes a process, 8 processes on 2 cores) they grew with the join storm
+from 0.7 to 6.9 s each (324 of them, 653 s in all in the first 31 minutes), stopping the
+process past the gateway's 5 s handshake bound, so that the sessions phase stalled at
+38,700 sessions. What a phase leaves unreachable in cycles waits for the phase's end.
+A real node is its own process with one identity, where none of this arises."""
 FREEZE_EVERY = 1_000
 """Within the renewal wave and the sessions phase, the objects alive are frozen
 (``gc.freeze``, no collection) after every this many renewals (or sessions welcomed) of
@@ -555,6 +564,8 @@ def worker_main() -> int:
     level = os.environ.get("BCD_FLEET_LOG", "CRITICAL")
     logging.basicConfig(level=level, format="%(relativeCreated)d %(name)s %(message)s")
     _log_slow_collections()
+    young, middle, _ = gc.get_threshold()
+    gc.set_threshold(young, middle, FULL_COLLECTIONS_AFTER)
     spec = json.loads(sys.stdin.readline())
     trio.run(Simulator(spec).run)
     return 0

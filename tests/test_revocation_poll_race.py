@@ -259,6 +259,22 @@ def _assert_ended_then_refused(race: _Race, out: dict[str, Any]) -> None:
     assert out["bystander_up"]
 
 
+def _run_ended_and_logged(
+    race: _Race,
+    body: Callable[[_Run], Awaitable[None]],
+    out: dict[str, Any],
+    caplog: pytest.LogCaptureFixture,
+    event: str,
+) -> None:
+    """Run ``body``; the revoked session ended at once and its redial was refused with
+    the signed notice, ``event`` logged for it and nothing for the bystander."""
+    with caplog.at_level(logging.INFO, logger="control.gateway"):
+        race.run(body)
+    _assert_ended_then_refused(race, out)
+    assert _events(caplog, race.revoked.serial) == [event]
+    assert _events(caplog, race.bystander.serial) == []
+
+
 def test_a_session_opened_and_revoked_while_a_poll_reads_ends_and_is_logged(
     store_url: str,
     memory_pki: Pki,
@@ -280,12 +296,8 @@ def test_a_session_opened_and_revoked_while_a_poll_reads_ends_and_is_logged(
         race.revoke()
         await _release_and_watch(run, race, revoked, bystander, out)
 
-    with caplog.at_level(logging.INFO, logger="control.gateway"):
-        race.run(body)
+    _run_ended_and_logged(race, body, out, caplog, "revocation.session_ended")
     assert out["held"] == frozenset()  # the path taken: it held neither session
-    _assert_ended_then_refused(race, out)
-    assert _events(caplog, race.revoked.serial) == ["revocation.session_ended"]
-    assert _events(caplog, race.bystander.serial) == []
 
 
 def test_a_session_opened_after_a_poll_read_its_revocation_ends_and_is_logged(
@@ -310,12 +322,8 @@ def test_a_session_opened_after_a_poll_read_its_revocation_ends_and_is_logged(
         bystander = await run.open(race.bystander)
         await _release_and_watch(run, race, revoked, bystander, out)
 
-    with caplog.at_level(logging.INFO, logger="control.gateway"):
-        race.run(body)
+    _run_ended_and_logged(race, body, out, caplog, "revocation.session_ended")
     assert out["held"] == frozenset()
-    _assert_ended_then_refused(race, out)
-    assert _events(caplog, race.revoked.serial) == ["revocation.session_ended"]
-    assert _events(caplog, race.bystander.serial) == []
 
 
 def test_a_revocation_committed_after_a_poll_read_reaches_a_session_opened_meanwhile(
@@ -378,11 +386,7 @@ def test_a_session_opened_while_the_next_poll_reads_ends_by_the_revocation_found
         out["redial"] = await run.redial(race.revoked)
         out["bystander_up"] = await _still_up(run, race.bystander, bystander)
 
-    with caplog.at_level(logging.INFO, logger="control.gateway"):
-        race.run(body)
-    _assert_ended_then_refused(race, out)
-    assert _events(caplog, race.revoked.serial) == ["session.revoked_at_open"]
-    assert _events(caplog, race.bystander.serial) == []
+    _run_ended_and_logged(race, body, out, caplog, "session.revoked_at_open")
 
 
 def test_the_poll_gate_holds_only_the_pollers_read(
