@@ -151,9 +151,11 @@ no full collection runs by itself, only :func:`settle`'s between phases. A full
 collection walks every object of the oldest generation not yet frozen, and at N =
 100,000 (12,500 nodes a process, 8 processes on 2 cores) they grew with the join storm
 from 0.7 to 6.9 s each (324 of them, 653 s in all in the first 31 minutes), stopping the
-process past the gateway's 5 s handshake bound, so that the sessions phase stalled at
-38,700 sessions. What a phase leaves unreachable in cycles waits for the phase's end.
-A real node is its own process with one identity, where none of this arises."""
+process past the gateway's 5 s handshake bound. What a phase leaves unreachable in
+cycles waits for the phase's end. (Without them the sessions phase at 100,000 still
+stalls near 36,000 sessions on this 2-core machine: the simulators' pings and dials
+take the cores; docs/decisions.md, the fourth session.) A real node is its own process
+with one identity, where none of this arises."""
 FREEZE_EVERY = 1_000
 """Within the renewal wave and the sessions phase, the objects alive are frozen
 (``gc.freeze``, no collection) after every this many renewals (or sessions welcomed) of
