@@ -453,15 +453,14 @@ async def _talks(tcp: trio.SocketStream, by: float, life: Lifecycle) -> bool:
     with trio.CancelScope(deadline=by) as waiting:
         life.waiting.add(waiting)
         try:
-            await trio.lowlevel.wait_readable(tcp.socket)
+            # readable: a byte, or the end of the connection (or its reset); the peek
+            # takes nothing, and waits again, within the same bounds, if it must
+            return bool(await tcp.socket.recv(1, socket.MSG_PEEK))
+        except OSError:
+            return False
         finally:
             life.waiting.discard(waiting)
-    if waiting.cancelled_caught:
-        return False
-    try:  # readable: a byte, or the end of the connection (or its reset)
-        return bool(await tcp.socket.recv(1, socket.MSG_PEEK))
-    except OSError:
-        return False
+    return False
 
 
 async def _write(stream: trio.abc.Stream, data: bytes) -> None:
