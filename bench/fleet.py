@@ -25,8 +25,9 @@ join, in a :class:`bcd.identitystore.MemoryStore`, loaded with
 :func:`bcd.join.send_with_retries` over :func:`bcd.join.gateway_sender` (bcd's own
 backoff and the server's pushback, the token sealed anew for each attempt; a retried
 attempt counts as "retried join", not as an error) and :func:`bcd.join.verify_joined`;
-the session is :func:`bcd.session.session_task` (its own reconnect backoff, 1 s doubling to 60 s with
-jitter, and its check of the signed revocation notice); the renewal is
+the session is :func:`bcd.session.session_task` (its own reconnect backoff, 1 s
+doubling to 60 s with jitter, and its check of the signed revocation notice); the
+renewal is
 :func:`bcd.renew.renew_once` over :func:`bcd.renew.gateway_renew_sender` (the store
 written as bcd writes it). All over :mod:`bcd.transport` and real TLS.
 
@@ -140,6 +141,7 @@ from bench.common import (  # noqa: E402
     proc_cpu_s,
 )
 from bench.replicas import Meter, Roles, Spent, bench_fleet, pct  # noqa: E402
+from control.metrics import HANDSHAKE_OUTCOMES  # noqa: E402
 
 DEFAULT_OUT = ROOT / "bench" / "out"
 TICK_S = 0.25
@@ -976,9 +978,6 @@ class Run:
                         raise
                     self.progress()
         return answers
-
-
-HANDSHAKE_OUTCOMES = ("completed", "failed", "timed-out", "silent", "no-slot")
 
 
 def handshake_outcomes(roles: Roles) -> dict[str, dict[str, float]]:
