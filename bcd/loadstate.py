@@ -52,7 +52,7 @@ from bcd.tpm.record import NodeKeyRecord
 NextKey = Literal["none", "promoted", "removed"]
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class LoadedState:
     """An identity whose key matches its leaf. ``next_key`` tells what rule 2 did.
 
@@ -72,7 +72,7 @@ class LoadedState:
         return as_utc(now) >= self.leaf_info.not_after
 
 
-@dataclass(frozen=True, slots=True, eq=False)
+@dataclass(frozen=True, slots=True, eq=False, weakref_slot=True)
 class LoadedTpmState:
     """An identity whose key the TPM derives from node.key's record, matching its leaf."""
 

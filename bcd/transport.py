@@ -222,7 +222,9 @@ async def gateway_transport(
 
         return DialTransport(dial_signer)
     anchor = await serving_ca(cfg)
-    return pinned_transport(cfg.server_name, anchor, (chain, material.key_pem), cfg=cfg)
+    return pinned_transport(
+        cfg.server_name, anchor, (chain, material.key_pem), cfg=cfg, owner=state
+    )
 
 
 def pinned_transport(
@@ -231,9 +233,12 @@ def pinned_transport(
     client_cert: tuple[str, bytes] | None = None,
     *,
     cfg: Config | None = None,
+    owner: object | None = None,
 ) -> DialTransport:
     """The file-key transport: :func:`bcd.tls.connect_pinned` with ``anchor`` as the only
-    trust anchor and ``client_cert`` (chain PEM, key PEM) for mutual TLS.
+    trust anchor and ``client_cert`` (chain PEM, key PEM) for mutual TLS, its context
+    kept per ``owner`` (the loaded state ``client_cert`` is of:
+    :func:`bcd.tls.cached_context`).
 
     A stale anchor (OpenSSL refuses a chain that verifies against the pin) is replaced
     by the presented one for later dials and, with ``cfg``, in serving-ca.pem
@@ -254,6 +259,7 @@ def pinned_transport(
             client_cert=client_cert,
             timeout=CONNECT_TIMEOUT_S,
             on_stale_anchor=on_stale_anchor,
+            owner=owner,
         )
 
     return DialTransport(dial)

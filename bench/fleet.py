@@ -900,6 +900,7 @@ class Run:
         self._meter: Meter | None = None
         self._xact = 0
         self._handshakes: dict[str, dict[str, float]] = {}
+        self._sims = 0.0
         self.profiler = profiler or Profiler(Path("."), False)
         self.instructions = instructions or Instructions(Path("."), False)
 
@@ -907,6 +908,7 @@ class Run:
         self._meter = Meter(self.roles)
         self._xact = xact_commit()
         self._handshakes = handshake_outcomes(self.roles)
+        self._sims = self.simulators_cpu_s()
         self._meter.start()
         targets = {"api": self.roles.pids["api"], "gw2": self.roles.pids["gw2"]}
         self.profiler.start(name, {**targets, "sim0": self.workers[0].proc.pid})
@@ -916,9 +918,14 @@ class Run:
         print(f"\n[{name}] …", flush=True)
         return phase
 
+    def simulators_cpu_s(self) -> float:
+        """The simulator processes' CPU so far: bcd's own code for every node."""
+        return sum(proc_cpu_or_none(w.proc.pid) or 0.0 for w in self.workers)
+
     def end(self, phase: Phase, errors: int) -> Phase:
         assert self._meter is not None
         phase.spent = self._meter.stop()
+        phase.detail["simulators_cpu_s"] = self.simulators_cpu_s() - self._sims
         phase.end = time.monotonic() - self.sampler.t0
         self.profiler.stop()
         phase.instructions = self.instructions.stop(self.roles.pids)
@@ -1262,6 +1269,15 @@ def figures(
         * 1e6
         / max(n * steady.wall_s, 1e-9)
         * args.ping_seconds,
+        # the simulators' CPU (bcd's own code, every node's) per operation, the
+        # simulator's own bookkeeping included: what a node spends on each
+        "node_cpu_ms_per_join": join.detail["simulators_cpu_s"] * 1000 / max(joined, 1),
+        "node_cpu_ms_per_session_open": sessions.detail["simulators_cpu_s"] * 1000 / max(n, 1),
+        "node_cpu_us_per_ping": steady.detail["simulators_cpu_s"]
+        * 1e6
+        / max(n * steady.wall_s, 1e-9)
+        * args.ping_seconds,
+        "node_cpu_ms_per_renewal": renew.detail["simulators_cpu_s"] * 1000 / renewals,
         "renewals_per_s": renewals / renew.wall_s,
         "renewal_cpu_ms": renew_cpu * 1000,
         "renewal_cpu_by_role_ms": {k: v * 1000 / renewals for k, v in renew.role_cpu().items()},
@@ -1292,7 +1308,8 @@ def figures(
 FIGURE_KEYS = (
     "errors", "joins_per_s", "join_cpu_ms", "join_floor_ratio", "join_pg_xacts",
     "join_pg_cpu_ms", "gateway_rss_kb_per_session", "gateway_cpu_us_per_session_s",
-    "gateway_cpu_us_per_ping", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
+    "gateway_cpu_us_per_ping", "node_cpu_ms_per_join", "node_cpu_ms_per_session_open",
+    "node_cpu_us_per_ping", "node_cpu_ms_per_renewal", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
     "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
     "revocation_p99_ms", "reconnect_time_s",
     "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s",

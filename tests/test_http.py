@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
 import ipaddress
 import json
 import logging
 import ssl
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -23,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from bcd import gatewayclient, pki
+from bcd import gatewayclient, pki, tls
 from bcd.errors import PeerVerificationError, TransportError
 from bcd.gatewayclient import GatewayClient
 from bcd.tls import Anchor, anchor_of, connect_pinned, verify_server_chain
@@ -235,13 +237,16 @@ async def _connect(
 
 
 def _client(
-    srv: Server, name: str = "gw.test", client_cert: tuple[str, bytes] | None = None
+    srv: Server,
+    name: str = "gw.test",
+    client_cert: tuple[str, bytes] | None = None,
+    owner: object | None = None,
 ) -> GatewayClient:
     """The gateway client over the real pinned dial (the file-key transport)."""
 
     async def dial(host: str, port: int) -> trio.abc.Stream:
         return await connect_pinned(
-            host, port, name, material().anchor, client_cert=client_cert, timeout=5
+            host, port, name, material().anchor, client_cert=client_cert, timeout=5, owner=owner
         )
 
     return GatewayClient(DialTransport(dial), host="127.0.0.1", port=srv.port, server_name=name)
@@ -328,6 +333,58 @@ async def test_client_certificate_seen_by_server(server: Server) -> None:
         resp = await c.renew(b"{}")
     assert resp.status == 200
     assert server.requests[0].peer_cert_der == m.client.public_bytes(DER)
+
+
+class _Identity:
+    """What a dial's context is kept for: a loaded identity (weakly referenced)."""
+
+
+async def test_a_context_is_built_once_per_identity_and_anchor(
+    server: Server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Dials with the same identity share one context (building one parses the CA, the
+    chain and the key); a renewed identity dials with its own certificate, never the
+    old one's; a certless dial's context is kept per anchor."""
+    m = material()
+    built: list[tuple[str, bytes] | None] = []
+    real = tls.pinned_context
+
+    def counted(anchor: Anchor, client_cert: tuple[str, bytes] | None = None) -> ssl.SSLContext:
+        built.append(client_cert)
+        return real(anchor, client_cert)
+
+    monkeypatch.setattr(tls, "pinned_context", counted)
+    monkeypatch.setattr(tls, "_CERTLESS", {})
+    renewed, renewed_key = _make_leaf(
+        (m.ca, m.ca_key),
+        [x509.UniformResourceIdentifier("spiffe://bc.test/site/s/node/n")],
+        ExtendedKeyUsageOID.CLIENT_AUTH,
+    )
+    first = (_pem(m.client, m.ca), _key_pem(m.client_key))
+    second = (_pem(renewed, m.ca), _key_pem(renewed_key))
+    old, new = _Identity(), _Identity()
+    for owner, cert in ((old, first), (old, first), (new, second), (new, second)):
+        async with _client(server, client_cert=cert, owner=owner) as c:
+            assert (await c.renew(b"{}")).status == 200
+    seen = [r.peer_cert_der for r in server.requests]
+    assert seen == [m.client.public_bytes(DER)] * 2 + [renewed.public_bytes(DER)] * 2
+    assert built == [first, second]
+    for _ in range(2):
+        async with _client(server) as c:  # certless, as a join dials
+            assert (await c.join(b"{}")).status == 200
+    assert built == [first, second, None]
+    assert server.requests[-1].peer_cert_der is None
+
+    other_ca = _make_ca("another serving CA")
+    other = anchor_of(_pem(other_ca[0]), pki.spki_pin(other_ca[1].public_key()))
+    kept = tls.cached_context(m.anchor, first, old)
+    assert tls.cached_context(other, first, old) is not kept  # a new anchor: built anew
+    assert built[-1] == first
+    gone = weakref.ref(tls.cached_context(m.anchor, first, old))
+    del old, kept
+    gc.collect()
+    assert gone() is None  # the identity went, and its context (its key) with it
+    assert tls.cached_context(m.anchor, second, new) is tls.cached_context(m.anchor, second, new)
 
 
 async def test_bad_client_key_is_transport_error(server: Server) -> None:
