@@ -117,6 +117,19 @@ def _relay_max_per_source(text: str) -> int:
     return value
 
 
+def _ipv6_source_prefix(text: str) -> int:
+    from control.http import HOST_PREFIX, SITE_PREFIX, Limits
+
+    try:
+        value = int(text)
+        Limits(source_prefix=value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a whole number from {SITE_PREFIX} to {HOST_PREFIX}"
+        ) from None
+    return value
+
+
 # --- the parser ----------------------------------------------------------------------
 
 
@@ -224,6 +237,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="role api: connections the relay listener takes from one address (default 512: "
         "eight gateways behind one NAT address; at most 2048, the listener's)",
+    )
+    p.add_argument(
+        "--ipv6-source-prefix",
+        type=_ipv6_source_prefix,
+        default=None,
+        metavar="N",
+        help="every listener counts an IPv6 client's connections and handshakes by its /N, "
+        "48 to 64 (default 48: a site's prefix; 64, one source per /64, for a fleet of "
+        "hosts with their own public IPv6 addresses in one /48)",
     )
     p.add_argument(
         "--gateway-dir",

@@ -169,6 +169,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         log_level=args.log_level,
         log_format=args.log_format,
         relay_max_per_source=args.relay_max_per_source or server.RELAY_MAX_PER_SOURCE,
+        ipv6_source_prefix=args.ipv6_source_prefix or server.IPV6_SOURCE_PREFIX,
     )
 
 

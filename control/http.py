@@ -2,8 +2,8 @@
 
 Each connection does its TLS handshake here, so the handler sees the client
 certificate (``Request.peer_cert_der``); a listener's :class:`Limits` bound its
-connections and its handshakes under way, overall and per source address, and a
-connection that has sent nothing yet holds no handshake slot.
+connections and its handshakes under way, overall and per source (an IPv4 address,
+an IPv6 /48 by default), and a connection that has sent nothing yet holds no handshake slot.
 Keep-alive, a request size limit, chunked streaming responses (the session stream),
 and errors in the protocol's ``{"code", "message"}`` form. A handler's exception is
 logged and answered with a 503 UNAVAILABLE that never carries its text.
@@ -88,17 +88,28 @@ def _no_handshake(_outcome: str) -> None:
 _JSON = ("content-type", "application/json")
 
 
+SITE_PREFIX = 48
+"""What a listener's per-source bounds count an IPv6 client by unless its operator
+says otherwise (``serve --ipv6-source-prefix``, ``Limits.source_prefix``): its /48,
+one site's prefix (what a registry or an ISP gives one customer, the /56s and /64s it
+hands out inside it included), so that a customer holds one source's share, as behind
+one IPv4 address, however many /64s it has (docs/decisions.md, "Connection limits")."""
+HOST_PREFIX = 64
+"""One host's IPv6 prefix: the finest a per-source bound counts by."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What one listener admits (docs/decisions.md, "Connection limits").
 
     ``max_connections``: open connections at once; ``max_per_source``: of those,
-    from one IP address. A connection over either is closed at accept, before any
-    TLS work, and one warning a minute says how many were.
+    from one source (an IPv4 address, an IPv6 address's ``/source_prefix``, 48 to 64:
+    :func:`source_key`). A connection over either is closed at accept, before any TLS
+    work, and one warning a minute says how many were.
 
     ``max_handshakes``: TLS handshakes under way at once, given out first come, first
-    served; ``max_handshakes_per_source``: of those, for one IP address (at most
-    ``max_handshakes``), so that stalled handshakes from one address cannot keep
+    served; ``max_handshakes_per_source``: of those, for one source (at most
+    ``max_handshakes``), so that stalled handshakes from one source cannot keep
     everyone else's from starting. A connection asks for its slot only once its client
     has sent something (its ClientHello's first bytes), so a silent one costs no slot;
     it waits for the slot within its ``HANDSHAKE_TIMEOUT``, doing no TLS work
@@ -112,12 +123,16 @@ class Limits:
     idle_timeout: float = IDLE_TIMEOUT
     max_handshakes: int = 64
     max_handshakes_per_source: int = 8
+    source_prefix: int = SITE_PREFIX
 
     def __post_init__(self) -> None:
         if not 0 < self.max_per_source <= self.max_connections:
             raise ValueError("max_per_source must be from 1 to max_connections")
         if not 0 < self.max_handshakes_per_source <= self.max_handshakes:
             raise ValueError("max_handshakes_per_source must be from 1 to max_handshakes")
+        prefix = self.source_prefix
+        if type(prefix) is not int or not SITE_PREFIX <= prefix <= HOST_PREFIX:
+            raise ValueError(f"source_prefix must be from {SITE_PREFIX} to {HOST_PREFIX}")
 
 
 @dataclass
@@ -343,7 +358,7 @@ async def _accept(
             await trio.sleep(0.1)
             continue
         remote = _remote(tcp)
-        source = source_key(remote)
+        source = source_key(remote, gate.limits.source_prefix)
         if not gate.admit(source):
             tcp.socket.close()  # no TLS, no answer: the cheapest refusal there is
             continue
@@ -363,9 +378,11 @@ async def _gated(
         gate.release(source)
 
 
-def source_of(ip: str) -> str:
+def source_of(ip: str, prefix: int = HOST_PREFIX) -> str:
     """What a per-source bound counts by: an IPv4 address (an IPv4-mapped IPv6 one as
-    IPv4), or an IPv6 address's /64, since one host holds a whole /64."""
+    IPv4), or an IPv6 address's ``/prefix``: a /64 by default (the pending join
+    requests' bound), since one host holds a whole /64; a listener's bounds count by
+    its ``Limits.source_prefix`` (:func:`source_key`)."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
@@ -373,13 +390,17 @@ def source_of(ip: str) -> str:
     if isinstance(addr, ipaddress.IPv6Address):
         if addr.ipv4_mapped is not None:
             return str(addr.ipv4_mapped)
-        return str(ipaddress.ip_network(f"{addr}/64", strict=False))
+        return str(ipaddress.ip_network(f"{addr}/{prefix}", strict=False))
     return str(addr)
 
 
-def source_key(remote: str) -> str:
-    """:func:`source_of` the host of ``host:port`` / ``[v6]:port``."""
-    return source_of(remote.rpartition(":")[0].strip("[]"))
+def source_key(remote: str, prefix: int = SITE_PREFIX) -> str:
+    """What a listener's per-source bounds (connections, handshakes at once) count
+    ``host:port`` / ``[v6]:port`` by: :func:`source_of` its host, an IPv6 one by its
+    ``/prefix`` (the listener's ``Limits.source_prefix``, the /48 by default). No IPv4
+    prefix is counted as one: many customers share an address block, and a
+    carrier-grade NAT's customers one address already."""
+    return source_of(remote.rpartition(":")[0].strip("[]"), prefix)
 
 
 def _remote(tcp: trio.SocketStream) -> str:

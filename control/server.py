@@ -11,7 +11,7 @@ import signal
 import ssl
 import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,17 @@ from control import gatewaypki, pki, relay, retention, revocations
 from control.api import App
 from control.errors import ControlError, StoreUnavailable
 from control.gateway import PING_INTERVAL_S, Gateway, NodeCalls
-from control.http import Handler, Lifecycle, Limits, Request, Response, health_response, serve
+from control.http import (
+    HOST_PREFIX,
+    SITE_PREFIX,
+    Handler,
+    Lifecycle,
+    Limits,
+    Request,
+    Response,
+    health_response,
+    serve,
+)
 from control.joinservice import CERT_TTL_MAX_S, JoinCrypto, JoinService, notice_signer
 from control.metrics import Metrics
 from control.relay import RelayClient, RelayListener
@@ -71,6 +81,10 @@ RELAY_MAX_PER_SOURCE = 512
 """``--relay-max-per-source``'s default: 64 per gateway's relay pool, so eight gateways
 behind one address (a NAT), and at least four sources to fill the listener."""
 _RELAY_MAX_HANDSHAKES = 64
+IPV6_SOURCE_PREFIX = SITE_PREFIX
+"""``--ipv6-source-prefix``'s default: every listener counts an IPv6 client by its /48
+(a site's prefix, one source's share however many /64s it holds); 64 gives each /64 a
+share of its own, for a fleet of hosts with public addresses in one /48."""
 
 
 def relay_limits(max_per_source: int = RELAY_MAX_PER_SOURCE) -> Limits:
@@ -212,6 +226,7 @@ def main(
     log_level: str = "info",
     log_format: str = "text",
     relay_max_per_source: int = RELAY_MAX_PER_SOURCE,
+    ipv6_source_prefix: int = IPV6_SOURCE_PREFIX,
 ) -> int:
     """``better-compute serve``: ``role`` all (one process, the default), api or gateway."""
     setup_logging(log_level, log_format)
@@ -226,6 +241,16 @@ def main(
         relay_limit = relay_limits(relay_max_per_source)
     except ValueError as exc:
         raise ControlError("INVALID_ARGUMENT", f"--relay-max-per-source must be {exc}") from exc
+    try:  # every listener counts an IPv6 client by the operator's prefix
+        limits = {
+            name: replace(lim, source_prefix=ipv6_source_prefix)
+            for name, lim in {**LIMITS, "relay": relay_limit}.items()
+        }
+    except ValueError:
+        raise ControlError(
+            "INVALID_ARGUMENT",
+            f"--ipv6-source-prefix must be a whole number from {SITE_PREFIX} to {HOST_PREFIX}",
+        ) from None
     metrics = Metrics()
     if role == "gateway":
         if gateway_dir is None:
@@ -255,7 +280,7 @@ def main(
             relay_san=relay_san or gateway_san,
             metrics=metrics,
         )
-    parts.limits["relay"] = relay_limit
+    parts.limits = limits
     if parts.gateway is not None:
         parts.gateway.ping_interval_s = session_ping_s
     if role == "all" and not gateway_url:

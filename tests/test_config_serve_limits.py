@@ -1,11 +1,15 @@
 """``serve --relay-max-per-source N`` (and its config key ``relay-max-per-source``): the
 relay listener's connections from one address, 512 by default, 1 to 2,048 (the
-listener's own bound); a bad value is a usage error naming it. Real ``better-compute``
-processes."""
+listener's own bound); ``serve --ipv6-source-prefix N`` (``ipv6-source-prefix``): the
+prefix every listener counts an IPv6 client by, 48 by default, 48 to 64, for every
+role. A bad value is a usage error naming it. Real ``better-compute`` processes, and
+``serve``'s plumbing in-process up to its listeners' limits."""
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import os
 import shutil
 import socket
 import time
@@ -14,10 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from control import server
+from control import cli, server
 from control.cli import build_parser
 from control.errors import ControlError
-from tests.e2e import BIN, cli_env, run, start_serve
+from control.http import Limits
+from tests.e2e import BIN, SECRET, cli_env, run, start_serve
 
 BC = str(BIN / "better-compute")
 
@@ -123,3 +128,131 @@ def test_a_bad_value_from_a_caller_is_invalid_argument(monkeypatch: pytest.Monke
         )  # fmt: skip
     assert refused.value.code == "INVALID_ARGUMENT"
     assert refused.value.message == "--relay-max-per-source must be a whole number from 1 to 2,048"
+
+
+# --ipv6-source-prefix N: what every listener of the serve counts an IPv6 client by
+
+
+def test_the_ipv6_source_prefix_is_48_by_default_on_every_listener() -> None:
+    args = build_parser().parse_args(["serve"])
+    assert args.ipv6_source_prefix is None  # not given: server.main's default
+    assert server.IPV6_SOURCE_PREFIX == 48
+    assert {limits.source_prefix for limits in server.LIMITS.values()} == {48}
+
+
+@pytest.mark.parametrize("value", ["47", "65", "0", "128", "-48", "many", "56.0"])
+def test_a_bad_ipv6_source_prefix_on_the_command_line_is_a_usage_error(
+    tmp_path: Path, value: str
+) -> None:
+    done = run([BC, "serve", "--ipv6-source-prefix", value], env=cli_env(tmp_path))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1] == (
+        "better-compute: usage: argument --ipv6-source-prefix: a whole number from 48 to 64"
+    )
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("value", ["32", "65", '"many"'])
+def test_a_bad_ipv6_source_prefix_in_the_file_is_a_usage_error_naming_it(
+    tmp_path: Path, value: str
+) -> None:
+    config = _config(tmp_path / "serve.toml", f"ipv6-source-prefix = {value}\n")
+    done = run([BC, "serve", "--config", str(config)], env=cli_env(tmp_path, secret=False))
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip() == (
+        f"better-compute: usage: {config}: argument --ipv6-source-prefix: a whole number "
+        "from 48 to 64"
+    )
+
+
+@pytest.mark.parametrize("value", [47, 65, True])
+def test_a_bad_ipv6_source_prefix_from_a_caller_is_invalid_argument(
+    monkeypatch: pytest.MonkeyPatch, value: int
+) -> None:
+    monkeypatch.setattr(server, "setup_logging", lambda *_args: None)
+    monkeypatch.setattr(server, "raise_file_limit", lambda: 1 << 20)
+    with pytest.raises(ControlError) as refused:
+        server.main(
+            home=Path("/nonexistent"), db_url="sqlite://", api_listen="127.0.0.1:0",
+            gateway_listen="127.0.0.1:0", gateway_san="127.0.0.1", gateway_url=None,
+            ready_file=None, secret=None, ipv6_source_prefix=value,
+        )  # fmt: skip
+    assert refused.value.code == "INVALID_ARGUMENT"
+    assert refused.value.message == "--ipv6-source-prefix must be a whole number from 48 to 64"
+
+
+@pytest.mark.parametrize("prefix", [48, 56, 64])
+def test_limits_take_an_ipv6_source_prefix_from_48_to_64_only(prefix: int) -> None:
+    assert Limits(source_prefix=prefix).source_prefix == prefix
+    for bad in (prefix - 49, prefix + 17, float(prefix)):
+        with pytest.raises(ValueError, match="source_prefix must be from 48 to 64"):
+            Limits(source_prefix=bad)  # type: ignore[arg-type]
+
+
+class _Store:
+    def close(self) -> None:
+        pass
+
+
+def _serve_limits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, role: str, argv: list[str]
+) -> dict[str, Limits]:
+    """The limits ``better-compute serve --role ROLE ARGV`` gives its listeners (in this
+    process: its parts and its listeners stubbed, nothing is served)."""
+    seen: dict[str, Limits] = {}
+
+    def parts(**_kwargs: object) -> server._Parts:
+        return server._Parts(role=role, store=_Store(), limiter=None)  # type: ignore[arg-type]
+
+    async def run(parts: server._Parts, *_args: object) -> None:
+        seen.update(parts.limits)
+
+    monkeypatch.setattr(server, "setup_logging", lambda *_args: None)
+    monkeypatch.setattr(server, "raise_file_limit", lambda: 1 << 20)
+    monkeypatch.setattr(server, "_api_parts", parts)
+    monkeypatch.setattr(server, "_gateway_parts", lambda *_args: parts())
+    monkeypatch.setattr(server, "_run", run)
+    for name in [k for k in os.environ if k.startswith("BETTER_COMPUTE_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.delenv("CREDENTIALS_DIRECTORY", raising=False)
+    if role == "gateway":
+        argv = [*argv, "--gateway-dir", str(tmp_path), "--db", "postgresql://gw@db.invalid/x",
+                "--api-upstream", "https://api.invalid:9443"]  # fmt: skip
+    else:
+        monkeypatch.setenv("BETTER_COMPUTE_SECRET", SECRET)
+        argv = [*argv, "--db", f"sqlite:///{tmp_path / 'store.db'}"]
+    if role == "api":
+        argv = [*argv, "--relay-listen", "127.0.0.1:0", "--relay-max-per-source", "64"]
+    umask = os.umask(0o022)
+    try:
+        assert cli.main(["--home", str(tmp_path), "serve", "--role", role, *argv]) == 0
+    finally:
+        os.umask(umask)
+    assert set(seen) == set(server.LIMITS)
+    return seen
+
+
+@pytest.mark.parametrize("role", ["all", "api", "gateway"])
+@pytest.mark.parametrize(
+    ("given", "prefix"),
+    [
+        ([], 48),
+        (["--ipv6-source-prefix", "64"], 64),
+        (["--ipv6-source-prefix", "56"], 56),
+        (["--config", "ipv6-source-prefix = 64"], 64),
+    ],
+)
+def test_every_role_counts_ipv6_clients_on_every_listener_by_the_prefix_given(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, role: str, given: list[str], prefix: int
+) -> None:
+    if given[:1] == ["--config"]:
+        given = ["--config", str(_config(tmp_path / "serve.toml", given[1] + "\n"))]
+    limits = _serve_limits(monkeypatch, tmp_path, role, given)
+    assert {name: lim.source_prefix for name, lim in limits.items()} == dict.fromkeys(
+        server.LIMITS, prefix
+    )
+    # nothing else of a listener's limits changes; the relay keeps its own bound
+    relay = server.relay_limits(64 if role == "api" else server.RELAY_MAX_PER_SOURCE)
+    expected = {**server.LIMITS, "relay": relay}
+    for name, lim in limits.items():
+        assert lim == dataclasses.replace(expected[name], source_prefix=prefix), name

@@ -20,7 +20,7 @@ from trio.testing import MockClock, wait_all_tasks_blocked
 
 from bcd import gatewayclient
 from control import http, server
-from control.http import Limits, _Gate
+from control.http import Limits, _Gate, source_key
 from tests.test_http import Server, _pem, material, server_context
 
 ONE = Limits(max_handshakes=1, max_handshakes_per_source=1)
@@ -330,10 +330,11 @@ def _idle(gate: _Gate) -> bool:
 async def _hold(
     gate: _Gate,
     release: trio.Event,
+    source: str = "a",
     *,
     task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
 ) -> None:
-    async with gate.handshake_slot("a", trio.current_time() + 5) as slot:
+    async with gate.handshake_slot(source, trio.current_time() + 5) as slot:
         assert slot
         task_status.started()
         await release.wait()
@@ -403,3 +404,141 @@ async def test_a_slot_is_given_back_when_the_handshake_raises(
     assert _idle(gate)
     async with gate.handshake_slot("b", trio.current_time() + 5) as slot:
         assert slot  # the listener's only slot is free again
+
+
+# An IPv6 client is counted by its /48 (source_key): the /64s of one site, a customer's
+# /56 among them, share one source's share of the connections and of the handshakes
+# (docs/decisions.md, "Connection limits"). A loopback machine cannot connect from
+# several /64s, so these are the gate's bookkeeping alone, with the keys of real
+# addresses.
+
+
+def _site(subnet: str, site: str = "1") -> str:
+    """The source of a host in ``subnet`` (a /64) of ``2001:db8:<site>::/48``."""
+    return source_key(f"[2001:db8:{site}:{subnet}::1]:443")
+
+
+async def test_the_64s_of_one_ipv6_site_share_one_sources_connections(
+    autojump_clock: MockClock,
+) -> None:
+    hits: list[str] = []
+    gate = _Gate(Limits(max_connections=16, max_per_source=2), hits.append)
+    first, second, third = _site("1"), _site("2"), _site("ff00")
+    assert gate.admit(first)
+    assert gate.admit(second)
+    assert not gate.admit(third)  # a third /64 of the site: over its share
+    assert hits == ["connections-per-source"]
+    assert gate.admit(_site("1", site="2"))  # another site has a share of its own
+    for host in ("192.0.2.1", "192.0.2.2", "192.0.2.3"):  # each IPv4 address its own
+        assert gate.admit(source_key(f"{host}:443"))
+    gate.release(first)
+    assert gate.admit(third)  # the site's share is given back whole
+    for source in (second, third, _site("1", site="2"), "192.0.2.1", "192.0.2.2", "192.0.2.3"):
+        gate.release(source)
+    assert (gate.total, gate.by_source) == (0, {})
+    assert hits == ["connections-per-source"]
+
+
+async def test_the_64s_of_one_ipv6_site_share_one_sources_handshakes(
+    autojump_clock: MockClock,
+) -> None:
+    hits: list[str] = []
+    gate = _Gate(Limits(max_handshakes=2, max_handshakes_per_source=1), hits.append)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_hold, gate, release, _site("1"))
+        # the listener has a slot free, but not the site: another /64 of it waits
+        # for the site's slot, and gives up with a fifth of its time left
+        async with gate.handshake_slot(_site("2"), trio.current_time() + 5) as slot:
+            assert not slot
+        assert hits == ["handshakes-per-source"]
+        async with gate.handshake_slot(_site("1", site="2"), trio.current_time() + 5) as slot:
+            assert slot  # another site takes the listener's free slot at once
+        release.set()
+    assert _idle(gate)
+    assert hits == ["handshakes-per-source"]
+
+
+# The accept path counts an IPv6 client by its listener's own prefix
+# (Limits.source_prefix, serve --ipv6-source-prefix): a listener of hosts with public
+# addresses in one /48 gives each /64 a share of its own at 64. A listener stand-in
+# hands out connections from real IPv6 addresses, which loopback cannot connect from.
+
+
+class _Peer:
+    """An accepted connection's socket: its peer's address, and whether it was closed."""
+
+    def __init__(self, host: str) -> None:
+        self.host, self.closed = host, False
+
+    def getpeername(self) -> tuple[str, int, int, int]:
+        return (self.host, 443, 0, 0)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Accepted:
+    def __init__(self, host: str) -> None:
+        self.socket = _Peer(host)
+
+
+class _Listener:
+    """Hands out a connection from each of ``hosts`` in turn, then waits forever."""
+
+    def __init__(self, hosts: list[str]) -> None:
+        self.accepted = [_Accepted(host) for host in hosts]
+        self.left = list(self.accepted)
+
+    async def accept(self) -> _Accepted:
+        if not self.left:
+            await trio.sleep_forever()
+        return self.left.pop(0)
+
+
+_HOSTS = [
+    "2001:db8:1:1::1",
+    "2001:db8:1:1::2",
+    "2001:db8:1:1::3",  # a third connection of the /64 2001:db8:1:1::/64
+    "2001:db8:1:2::1",  # another /64 of the same /56 and /48
+    "2001:db8:1:100::1",  # another /56 of the same /48
+    "192.0.2.1",
+    "::ffff:192.0.2.1",  # the same IPv4 address, whatever the prefix
+]
+
+
+@pytest.mark.parametrize(
+    ("prefix", "admitted"),
+    [
+        (48, ["2001:db8:1:1::1", "2001:db8:1:1::2"]),
+        (56, ["2001:db8:1:1::1", "2001:db8:1:1::2", "2001:db8:1:100::1"]),
+        (64, ["2001:db8:1:1::1", "2001:db8:1:1::2", "2001:db8:1:2::1", "2001:db8:1:100::1"]),
+    ],
+)
+async def test_the_accept_path_counts_an_ipv6_client_by_its_listeners_prefix(
+    prefix: int, admitted: list[str]
+) -> None:
+    hits: list[str] = []
+    gate = _Gate(Limits(max_connections=16, max_per_source=2, source_prefix=prefix), hits.append)
+    listener = _Listener(_HOSTS)
+    served: list[tuple[str, str]] = []
+
+    async def connection(_tcp: object, remote: str, source: str) -> None:
+        served.append((remote, source))
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(http._accept, listener, connection, nursery, gate)
+        await wait_all_tasks_blocked()
+        refused = [a.socket.host for a in listener.accepted if a.socket.closed]
+        assert sorted(remote for remote, _ in served) == sorted(
+            [*(f"[{host}]:443" for host in admitted), "192.0.2.1:443", "[::ffff:192.0.2.1]:443"]
+        )  # the connections start in whatever order trio runs them
+        assert {source for _, source in served} == {
+            *(source_key(f"[{host}]:443", prefix) for host in admitted),
+            "192.0.2.1",
+        }
+        assert refused == [host for host in _HOSTS[:5] if host not in admitted]
+        assert hits == ["connections-per-source"] * len(refused)
+        nursery.cancel_scope.cancel()
+    assert (gate.total, gate.by_source) == (0, {})  # every admitted connection given back

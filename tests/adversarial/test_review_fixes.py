@@ -22,17 +22,30 @@ from control.store import Store
 
 
 @pytest.mark.parametrize(
-    ("remote", "key"),
+    ("remote", "source", "key"),
     [
-        ("192.0.2.7:5000", "192.0.2.7"),
-        ("[::ffff:192.0.2.7]:5000", "192.0.2.7"),
-        ("[2001:db8:1:2:aaaa::1]:443", "2001:db8:1:2::/64"),
-        ("[2001:db8:1:2:bbbb::9]:443", "2001:db8:1:2::/64"),
+        ("192.0.2.7:5000", "192.0.2.7", "192.0.2.7"),
+        ("[::ffff:192.0.2.7]:5000", "192.0.2.7", "192.0.2.7"),
+        ("[2001:db8:1:2:aaaa::1]:443", "2001:db8:1:2::/64", "2001:db8:1::/48"),
+        ("[2001:db8:1:2:bbbb::9]:443", "2001:db8:1:2::/64", "2001:db8:1::/48"),
     ],
 )
-def test_one_ipv6_host_is_one_source(remote: str, key: str) -> None:
+def test_one_ipv6_host_is_one_source(remote: str, source: str, key: str) -> None:
+    """One host (its /64) is one source of pending join requests, and one source of a
+    listener's connection bounds, which count its whole site (its /48) as one."""
+    assert source_of(remote.rpartition(":")[0].strip("[]")) == source
     assert source_key(remote) == key
-    assert source_of(remote.rpartition(":")[0].strip("[]")) == key
+
+
+def test_a_listener_counts_an_ipv6_site_as_one_source_and_no_ipv4_block() -> None:
+    """The /64s of a /48 (a customer's /56 among them) are one source of a listener's
+    bounds; another /48 is another source, and so is each IPv4 address of a /24
+    (carrier-grade NAT: its customers share one address already, others a block)."""
+    site = {source_key(f"[2001:db8:1:{subnet}::1]:443") for subnet in ("0", "2", "ff", "ffff")}
+    assert site == {"2001:db8:1::/48"}
+    assert source_key("[2001:db8:2::1]:443") == "2001:db8:2::/48"
+    ipv4 = {source_key(f"{host}:443") for host in ("192.0.2.1", "192.0.2.2", "::ffff:192.0.2.3")}
+    assert ipv4 == {"192.0.2.1", "192.0.2.2", "192.0.2.3"}
 
 
 def test_a_proof_is_refused_again_at_exactly_120_s(store: Store) -> None:
