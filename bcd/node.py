@@ -114,15 +114,16 @@ async def run_node(cfg: Config, *, wall: Callable[[], float] = time.time) -> Non
         state.identity.not_after,
         journal.journal_id,
     )
-    status = (
-        f"STATUS=node {state.identity.node_id}; certificate valid until {state.identity.not_after}"
-    )
+    node_id = state.identity.node_id
+    status = f"STATUS=node {node_id}; certificate valid until {state.identity.not_after}"
+    # the holder has the state from here on: once renewed, the first one (its key, its
+    # TLS context) goes, as every later one does at the next renewal
+    del state
 
     async def record(kind: str, payload: dict[str, Any]) -> object:
         if kind == "renewed":
             systemd.notify(
-                f"STATUS=node {state.identity.node_id}; renewed, certificate valid until "
-                f"{payload.get('notAfter')}"
+                f"STATUS=node {node_id}; renewed, certificate valid until {payload.get('notAfter')}"
             )
             if metrics is not None:
                 metrics.renewed_at(datetime.fromtimestamp(wall(), UTC))

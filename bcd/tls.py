@@ -281,7 +281,9 @@ def pinned_context(anchor: Anchor, client_cert: tuple[str, bytes] | None = None)
 # The contexts :func:`cached_context` built, per owner (the loaded identity whose
 # certificate and key they hold) and per anchor: a context is a value of its owner's
 # entry only, so it goes when the owner does (a renewed identity is a new owner).
-_BUILT: weakref.WeakKeyDictionary[object, tuple[str, ssl.SSLContext]] = weakref.WeakKeyDictionary()
+_BUILT: weakref.WeakKeyDictionary[object, tuple[str, str, ssl.SSLContext]] = (
+    weakref.WeakKeyDictionary()
+)
 # Certless contexts (a join's) per anchor certificate; a node has one anchor, a few
 # when its serving CA was replaced, so the bound is never reached but by a host that
 # joins through many control planes.
@@ -293,8 +295,8 @@ def cached_context(
     anchor: Anchor, client_cert: tuple[str, bytes] | None = None, owner: object | None = None
 ) -> ssl.SSLContext:
     """:func:`pinned_context`, built once and kept: per ``owner`` for a ``client_cert``
-    (the loaded identity it is the chain and key of, which must not change while
-    ``owner`` lives: it is weakly referenced and the context goes with it), per anchor
+    (the loaded identity it is the chain and key of: weakly referenced, the context
+    goes with it; a chain other than the kept context's is built anew), per anchor
     when certless. Building one parses the anchor, the chain and the key (about 1.2 ms
     of CPU with a client certificate, more than the node's share of the handshake);
     a context is only read by the handshakes that share it. Without ``owner`` a client
@@ -309,10 +311,10 @@ def cached_context(
     if owner is None:
         return pinned_context(anchor, client_cert)
     built = _BUILT.get(owner)
-    if built is None or built[0] != anchor.pem:
-        built = (anchor.pem, pinned_context(anchor, client_cert))
+    if built is None or built[:2] != (anchor.pem, client_cert[0]):  # another chain: anew
+        built = (anchor.pem, client_cert[0], pinned_context(anchor, client_cert))
         _BUILT[owner] = built
-    return built[1]
+    return built[2]
 
 
 def _probe_context() -> ssl.SSLContext:

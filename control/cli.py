@@ -118,14 +118,14 @@ def _relay_max_per_source(text: str) -> int:
 
 
 def _ipv6_source_prefix(text: str) -> int:
-    from control.http import HOST_PREFIX, SITE_PREFIX, Limits
+    from control.http import ADDRESS_PREFIX, SITE_PREFIX, Limits
 
     try:
         value = int(text)
         Limits(source_prefix=value)
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"a whole number from {SITE_PREFIX} to {HOST_PREFIX}"
+            f"a whole number from {SITE_PREFIX} to {ADDRESS_PREFIX}"
         ) from None
     return value
 
@@ -243,9 +243,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=_ipv6_source_prefix,
         default=None,
         metavar="N",
-        help="every listener counts an IPv6 client's connections and handshakes by its /N, "
-        "48 to 64 (default 48: a site's prefix; 64, one source per /64, for a fleet of "
-        "hosts with their own public IPv6 addresses in one /48)",
+        help="every listener but the relay (which counts each address) counts an IPv6 "
+        "client's connections and handshakes by its /N, 48 to 128 (default 48: a site's "
+        "prefix). For a fleet with public IPv6 addresses in one /48: the prefix one machine "
+        "holds, 64 for a /64 each; 128, each address a source as with IPv4 (a cloud "
+        "subnet's /64 holds many VMs), only for addresses you control or trust, e.g. a "
+        "fleet in its own VPC: one holder of a /64 can then fill a listener",
     )
     p.add_argument(
         "--gateway-dir",

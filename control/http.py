@@ -3,7 +3,8 @@
 Each connection does its TLS handshake here, so the handler sees the client
 certificate (``Request.peer_cert_der``); a listener's :class:`Limits` bound its
 connections and its handshakes under way, overall and per source (an IPv4 address,
-an IPv6 /48 by default), and a connection that has sent nothing yet holds no handshake slot.
+an IPv6 address's /48 by default: ``Limits.source_prefix``), and a connection that has
+sent nothing yet holds no handshake slot.
 Keep-alive, a request size limit, chunked streaming responses (the session stream),
 and errors in the protocol's ``{"code", "message"}`` form. A handler's exception is
 logged and answered with a 503 UNAVAILABLE that never carries its text.
@@ -94,8 +95,18 @@ says otherwise (``serve --ipv6-source-prefix``, ``Limits.source_prefix``): its /
 one site's prefix (what a registry or an ISP gives one customer, the /56s and /64s it
 hands out inside it included), so that a customer holds one source's share, as behind
 one IPv4 address, however many /64s it has (docs/decisions.md, "Connection limits")."""
-HOST_PREFIX = 64
-"""One host's IPv6 prefix: the finest a per-source bound counts by."""
+SUBNET_PREFIX = 64
+"""One IPv6 subnet's prefix, what the pending join requests' bound counts an address by
+(:func:`source_of`). Not one host's: a home's or an office's machines share their
+LAN's /64, and so do a cloud subnet's many VMs (AWS gives an instance /128s or /80
+prefixes inside its subnet's /64, GCP a /96 per VM)."""
+ADDRESS_PREFIX = 128
+"""One IPv6 address: the finest a listener's per-source bounds count by, each address
+a source of its own as each IPv4 address is. The relay listener's, always (its clients
+are the operator's own gateways: ``control.server.relay_limits``); any other
+listener's only when its operator says so (``serve --ipv6-source-prefix 128``), for
+addresses the operator controls or trusts, since one holder of a /64 can then fill a
+listener from a few of its addresses."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ class Limits:
     """What one listener admits (docs/decisions.md, "Connection limits").
 
     ``max_connections``: open connections at once; ``max_per_source``: of those,
-    from one source (an IPv4 address, an IPv6 address's ``/source_prefix``, 48 to 64:
+    from one source (an IPv4 address, an IPv6 address's ``/source_prefix``, 48 to 128:
     :func:`source_key`). A connection over either is closed at accept, before any TLS
     work, and one warning a minute says how many were.
 
@@ -131,8 +142,8 @@ class Limits:
         if not 0 < self.max_handshakes_per_source <= self.max_handshakes:
             raise ValueError("max_handshakes_per_source must be from 1 to max_handshakes")
         prefix = self.source_prefix
-        if type(prefix) is not int or not SITE_PREFIX <= prefix <= HOST_PREFIX:
-            raise ValueError(f"source_prefix must be from {SITE_PREFIX} to {HOST_PREFIX}")
+        if type(prefix) is not int or not SITE_PREFIX <= prefix <= ADDRESS_PREFIX:
+            raise ValueError(f"source_prefix must be from {SITE_PREFIX} to {ADDRESS_PREFIX}")
 
 
 @dataclass
@@ -378,11 +389,11 @@ async def _gated(
         gate.release(source)
 
 
-def source_of(ip: str, prefix: int = HOST_PREFIX) -> str:
+def source_of(ip: str, prefix: int = SUBNET_PREFIX) -> str:
     """What a per-source bound counts by: an IPv4 address (an IPv4-mapped IPv6 one as
-    IPv4), or an IPv6 address's ``/prefix``: a /64 by default (the pending join
-    requests' bound), since one host holds a whole /64; a listener's bounds count by
-    its ``Limits.source_prefix`` (:func:`source_key`)."""
+    IPv4), or an IPv6 address's ``/prefix``: a /64 by default, one subnet (the pending
+    join requests' bound: the machines of one LAN or one cloud subnet share it); a
+    listener's bounds count by its ``Limits.source_prefix`` (:func:`source_key`)."""
     try:
         addr = ipaddress.ip_address(ip)
     except ValueError:
@@ -397,7 +408,8 @@ def source_of(ip: str, prefix: int = HOST_PREFIX) -> str:
 def source_key(remote: str, prefix: int = SITE_PREFIX) -> str:
     """What a listener's per-source bounds (connections, handshakes at once) count
     ``host:port`` / ``[v6]:port`` by: :func:`source_of` its host, an IPv6 one by its
-    ``/prefix`` (the listener's ``Limits.source_prefix``, the /48 by default). No IPv4
+    ``/prefix`` (the listener's ``Limits.source_prefix``: the /48 by default, each
+    address at 128, as the relay listener counts its gateways). No IPv4
     prefix is counted as one: many customers share an address block, and a
     carrier-grade NAT's customers one address already."""
     return source_of(remote.rpartition(":")[0].strip("[]"), prefix)

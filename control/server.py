@@ -26,7 +26,7 @@ from control.api import App
 from control.errors import ControlError, StoreUnavailable
 from control.gateway import PING_INTERVAL_S, Gateway, NodeCalls
 from control.http import (
-    HOST_PREFIX,
+    ADDRESS_PREFIX,
     SITE_PREFIX,
     Handler,
     Lifecycle,
@@ -82,9 +82,12 @@ RELAY_MAX_PER_SOURCE = 512
 behind one address (a NAT), and at least four sources to fill the listener."""
 _RELAY_MAX_HANDSHAKES = 64
 IPV6_SOURCE_PREFIX = SITE_PREFIX
-"""``--ipv6-source-prefix``'s default: every listener counts an IPv6 client by its /48
-(a site's prefix, one source's share however many /64s it holds); 64 gives each /64 a
-share of its own, for a fleet of hosts with public addresses in one /48."""
+"""``--ipv6-source-prefix``'s default: every listener but the relay counts an IPv6
+client by its /48 (a site's prefix, one source's share however many /64s it holds).
+A fleet with public addresses in one /48 gives each machine's prefix a share of its
+own: 64 where a machine holds a /64, up to 128 (each address) where many share a /64,
+as a cloud subnet's VMs do. The relay listener counts each address whatever it is
+(:func:`relay_limits`)."""
 
 
 def relay_limits(max_per_source: int = RELAY_MAX_PER_SOURCE) -> Limits:
@@ -93,7 +96,12 @@ def relay_limits(max_per_source: int = RELAY_MAX_PER_SOURCE) -> Limits:
 
     A source's share of the handshakes follows its share of the connections (at most
     8), so stalling every handshake takes as many addresses as filling the listener
-    does (down to 32 per source; below that, 64 addresses)."""
+    does (down to 32 per source; below that, 64 addresses).
+
+    A source is one address, an IPv6 one too (``source_prefix`` 128), whatever
+    ``--ipv6-source-prefix`` says: the relay's clients are the operator's own gateways
+    (relay certificates), on an internal network usually inside one /48 or one /64,
+    which counted by a prefix would share one source's share among them all."""
     if isinstance(max_per_source, bool) or not 1 <= max_per_source <= RELAY_MAX_CONNECTIONS:
         raise ValueError(f"a whole number from 1 to {RELAY_MAX_CONNECTIONS:,}")
     share = _RELAY_MAX_HANDSHAKES * max_per_source // RELAY_MAX_CONNECTIONS
@@ -102,6 +110,7 @@ def relay_limits(max_per_source: int = RELAY_MAX_PER_SOURCE) -> Limits:
         max_per_source=max_per_source,
         max_handshakes=_RELAY_MAX_HANDSHAKES,
         max_handshakes_per_source=min(8, max(1, share)),
+        source_prefix=ADDRESS_PREFIX,
     )
 
 
@@ -114,7 +123,8 @@ def relay_limits(max_per_source: int = RELAY_MAX_PER_SOURCE) -> Limits:
 # something, so that is max_handshakes talking connections every 5 s (the gateway's
 # about 205 a second). The gateway's 64 per source are for a site of up to 1,024 nodes
 # (the per-source connection bound) behind one NAT address, all redialling at once.
-# The API and metrics listeners have no TLS.
+# The API and metrics listeners have no TLS. A source is an IPv4 address, or an IPv6
+# address's /48 (serve --ipv6-source-prefix changes it), the relay's each address.
 LIMITS = {
     "gateway": Limits(
         max_connections=16_000,
@@ -241,15 +251,15 @@ def main(
         relay_limit = relay_limits(relay_max_per_source)
     except ValueError as exc:
         raise ControlError("INVALID_ARGUMENT", f"--relay-max-per-source must be {exc}") from exc
-    try:  # every listener counts an IPv6 client by the operator's prefix
+    try:  # every listener but the relay (each address) counts IPv6 by the operator's prefix
         limits = {
-            name: replace(lim, source_prefix=ipv6_source_prefix)
+            name: lim if name == "relay" else replace(lim, source_prefix=ipv6_source_prefix)
             for name, lim in {**LIMITS, "relay": relay_limit}.items()
         }
     except ValueError:
         raise ControlError(
             "INVALID_ARGUMENT",
-            f"--ipv6-source-prefix must be a whole number from {SITE_PREFIX} to {HOST_PREFIX}",
+            f"--ipv6-source-prefix must be a whole number from {SITE_PREFIX} to {ADDRESS_PREFIX}",
         ) from None
     metrics = Metrics()
     if role == "gateway":

@@ -1,8 +1,9 @@
 """``serve --relay-max-per-source N`` (and its config key ``relay-max-per-source``): the
 relay listener's connections from one address, 512 by default, 1 to 2,048 (the
 listener's own bound); ``serve --ipv6-source-prefix N`` (``ipv6-source-prefix``): the
-prefix every listener counts an IPv6 client by, 48 by default, 48 to 64, for every
-role. A bad value is a usage error naming it. Real ``better-compute`` processes, and
+prefix every listener but the relay counts an IPv6 client by, 48 by default, 48 to
+128, for every role; the relay listener counts each address (128) whatever it is. A
+bad value is a usage error naming it. Real ``better-compute`` processes, and
 ``serve``'s plumbing in-process up to its listeners' limits."""
 
 from __future__ import annotations
@@ -130,29 +131,42 @@ def test_a_bad_value_from_a_caller_is_invalid_argument(monkeypatch: pytest.Monke
     assert refused.value.message == "--relay-max-per-source must be a whole number from 1 to 2,048"
 
 
-# --ipv6-source-prefix N: what every listener of the serve counts an IPv6 client by
+# --ipv6-source-prefix N: what every listener of the serve but the relay counts an IPv6
+# client by; the relay listener counts each address, as it counts IPv4
 
 
-def test_the_ipv6_source_prefix_is_48_by_default_on_every_listener() -> None:
+def test_the_ipv6_source_prefix_is_48_by_default_on_every_listener_but_the_relay() -> None:
     args = build_parser().parse_args(["serve"])
     assert args.ipv6_source_prefix is None  # not given: server.main's default
     assert server.IPV6_SOURCE_PREFIX == 48
-    assert {limits.source_prefix for limits in server.LIMITS.values()} == {48}
+    assert {name: limits.source_prefix for name, limits in server.LIMITS.items()} == {
+        "gateway": 48,
+        "relay": 128,
+        "api": 48,
+        "metrics": 48,
+    }
 
 
-@pytest.mark.parametrize("value", ["47", "65", "0", "128", "-48", "many", "56.0"])
+@pytest.mark.parametrize("per_source", [1, 64, 512, 2_048])
+def test_the_relay_listener_counts_each_ipv6_address_as_a_source(per_source: int) -> None:
+    """Its clients are the operator's gateways, usually in one /48 or /64: grouped by a
+    prefix they would share one source's share."""
+    assert server.relay_limits(per_source).source_prefix == 128
+
+
+@pytest.mark.parametrize("value", ["47", "129", "0", "256", "-48", "many", "56.0"])
 def test_a_bad_ipv6_source_prefix_on_the_command_line_is_a_usage_error(
     tmp_path: Path, value: str
 ) -> None:
     done = run([BC, "serve", "--ipv6-source-prefix", value], env=cli_env(tmp_path))
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "better-compute: usage: argument --ipv6-source-prefix: a whole number from 48 to 64"
+        "better-compute: usage: argument --ipv6-source-prefix: a whole number from 48 to 128"
     )
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("value", ["32", "65", '"many"'])
+@pytest.mark.parametrize("value", ["32", "129", '"many"'])
 def test_a_bad_ipv6_source_prefix_in_the_file_is_a_usage_error_naming_it(
     tmp_path: Path, value: str
 ) -> None:
@@ -161,11 +175,11 @@ def test_a_bad_ipv6_source_prefix_in_the_file_is_a_usage_error_naming_it(
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip() == (
         f"better-compute: usage: {config}: argument --ipv6-source-prefix: a whole number "
-        "from 48 to 64"
+        "from 48 to 128"
     )
 
 
-@pytest.mark.parametrize("value", [47, 65, True])
+@pytest.mark.parametrize("value", [47, 129, True])
 def test_a_bad_ipv6_source_prefix_from_a_caller_is_invalid_argument(
     monkeypatch: pytest.MonkeyPatch, value: int
 ) -> None:
@@ -178,14 +192,14 @@ def test_a_bad_ipv6_source_prefix_from_a_caller_is_invalid_argument(
             ready_file=None, secret=None, ipv6_source_prefix=value,
         )  # fmt: skip
     assert refused.value.code == "INVALID_ARGUMENT"
-    assert refused.value.message == "--ipv6-source-prefix must be a whole number from 48 to 64"
+    assert refused.value.message == "--ipv6-source-prefix must be a whole number from 48 to 128"
 
 
-@pytest.mark.parametrize("prefix", [48, 56, 64])
-def test_limits_take_an_ipv6_source_prefix_from_48_to_64_only(prefix: int) -> None:
+@pytest.mark.parametrize("prefix", [48, 56, 64, 65, 80, 96, 127, 128])
+def test_limits_take_an_ipv6_source_prefix_from_48_to_128_only(prefix: int) -> None:
     assert Limits(source_prefix=prefix).source_prefix == prefix
-    for bad in (prefix - 49, prefix + 17, float(prefix)):
-        with pytest.raises(ValueError, match="source_prefix must be from 48 to 64"):
+    for bad in (prefix - 81, prefix + 81, float(prefix), 47, 129):
+        with pytest.raises(ValueError, match="source_prefix must be from 48 to 128"):
             Limits(source_prefix=bad)  # type: ignore[arg-type]
 
 
@@ -239,20 +253,26 @@ def _serve_limits(
         ([], 48),
         (["--ipv6-source-prefix", "64"], 64),
         (["--ipv6-source-prefix", "56"], 56),
+        (["--ipv6-source-prefix", "96"], 96),
+        (["--ipv6-source-prefix", "128"], 128),
         (["--config", "ipv6-source-prefix = 64"], 64),
+        (["--config", "ipv6-source-prefix = 128"], 128),
     ],
 )
-def test_every_role_counts_ipv6_clients_on_every_listener_by_the_prefix_given(
+def test_every_role_counts_ipv6_clients_on_every_listener_but_the_relay_by_the_prefix(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, role: str, given: list[str], prefix: int
 ) -> None:
     if given[:1] == ["--config"]:
         given = ["--config", str(_config(tmp_path / "serve.toml", given[1] + "\n"))]
     limits = _serve_limits(monkeypatch, tmp_path, role, given)
-    assert {name: lim.source_prefix for name, lim in limits.items()} == dict.fromkeys(
-        server.LIMITS, prefix
-    )
+    # the relay listener counts each gateway's address, whatever the flag says
+    assert {name: lim.source_prefix for name, lim in limits.items()} == {
+        **dict.fromkeys(server.LIMITS, prefix),
+        "relay": 128,
+    }
     # nothing else of a listener's limits changes; the relay keeps its own bound
     relay = server.relay_limits(64 if role == "api" else server.RELAY_MAX_PER_SOURCE)
-    expected = {**server.LIMITS, "relay": relay}
+    assert limits["relay"] == relay
     for name, lim in limits.items():
-        assert lim == dataclasses.replace(expected[name], source_prefix=prefix), name
+        if name != "relay":
+            assert lim == dataclasses.replace(server.LIMITS[name], source_prefix=prefix), name

@@ -461,7 +461,8 @@ async def test_the_64s_of_one_ipv6_site_share_one_sources_handshakes(
 
 # The accept path counts an IPv6 client by its listener's own prefix
 # (Limits.source_prefix, serve --ipv6-source-prefix): a listener of hosts with public
-# addresses in one /48 gives each /64 a share of its own at 64. A listener stand-in
+# addresses in one /48 gives each /64 a share of its own at 64, and each address at 128
+# (many cloud VMs share a /64), as the relay listener always does. A listener stand-in
 # hands out connections from real IPv6 addresses, which loopback cannot connect from.
 
 
@@ -513,6 +514,7 @@ _HOSTS = [
         (48, ["2001:db8:1:1::1", "2001:db8:1:1::2"]),
         (56, ["2001:db8:1:1::1", "2001:db8:1:1::2", "2001:db8:1:100::1"]),
         (64, ["2001:db8:1:1::1", "2001:db8:1:1::2", "2001:db8:1:2::1", "2001:db8:1:100::1"]),
+        (128, _HOSTS[:5]),  # each address its own source, the third of a /64 too
     ],
 )
 async def test_the_accept_path_counts_an_ipv6_client_by_its_listeners_prefix(
@@ -542,3 +544,30 @@ async def test_the_accept_path_counts_an_ipv6_client_by_its_listeners_prefix(
         assert hits == ["connections-per-source"] * len(refused)
         nursery.cancel_scope.cancel()
     assert (gate.total, gate.by_source) == (0, {})  # every admitted connection given back
+
+
+async def test_the_relay_listener_counts_each_gateway_address_as_its_own_source() -> None:
+    """The relay's clients are the operator's gateways, here in one /64 of an internal
+    network: each address is a source of its own, as each IPv4 address is, so that the
+    gateways do not share one source's share; one address still holds only its own."""
+    hits: list[str] = []
+    gate = _Gate(server.relay_limits(1), hits.append)  # one connection from a source
+    gateways = ["2001:db8:1:1::a", "2001:db8:1:1::b", "2001:db8:1:1::c", "192.0.2.1"]
+    listener = _Listener([*gateways, "2001:db8:1:1::a", "::ffff:192.0.2.1"])
+    served: list[str] = []
+
+    async def connection(_tcp: object, remote: str, _source: str) -> None:
+        served.append(remote)
+        await trio.sleep_forever()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(http._accept, listener, connection, nursery, gate)
+        await wait_all_tasks_blocked()
+        assert sorted(served) == sorted(
+            f"[{host}]:443" if ":" in host else f"{host}:443" for host in gateways
+        )
+        refused = [a.socket.host for a in listener.accepted if a.socket.closed]
+        assert refused == ["2001:db8:1:1::a", "::ffff:192.0.2.1"]  # a second from one
+        assert hits == ["connections-per-source"] * 2
+        nursery.cancel_scope.cancel()
+    assert (gate.total, gate.by_source) == (0, {})

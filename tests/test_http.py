@@ -385,6 +385,8 @@ async def test_a_context_is_built_once_per_identity_and_anchor(
     gc.collect()
     assert gone() is None  # the identity went, and its context (its key) with it
     assert tls.cached_context(m.anchor, second, new) is tls.cached_context(m.anchor, second, new)
+    # a caller that hands the same identity another chain never dials with the kept one
+    assert tls.cached_context(m.anchor, first, new) is not tls.cached_context(m.anchor, second, new)
 
 
 async def test_bad_client_key_is_transport_error(server: Server) -> None:

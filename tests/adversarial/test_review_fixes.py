@@ -30,9 +30,12 @@ from control.store import Store
         ("[2001:db8:1:2:bbbb::9]:443", "2001:db8:1:2::/64", "2001:db8:1::/48"),
     ],
 )
-def test_one_ipv6_host_is_one_source(remote: str, source: str, key: str) -> None:
-    """One host (its /64) is one source of pending join requests, and one source of a
-    listener's connection bounds, which count its whole site (its /48) as one."""
+def test_an_ipv6_subnet_is_one_source_and_its_site_one_of_a_listener(
+    remote: str, source: str, key: str
+) -> None:
+    """One subnet (a /64: a LAN's machines, or a cloud subnet's many VMs) is one source
+    of pending join requests, and a listener's connection bounds count its whole site
+    (its /48) as one by default."""
     assert source_of(remote.rpartition(":")[0].strip("[]")) == source
     assert source_key(remote) == key
 
