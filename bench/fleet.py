@@ -1212,7 +1212,7 @@ def figures(
     args: argparse.Namespace, phases: dict[str, Phase], samples: list[dict[str, Any]],
     floors: dict[str, float], n: int,
 ) -> dict[str, Any]:  # fmt: skip
-    join, renew, steady = phases["join"], phases["renewal"], phases["steady"]
+    join, steady = phases["join"], phases["steady"]
     sessions, rev, restart = phases["sessions"], phases["revocation"], phases["restart"]
     joined = len(join.detail["nodes"])
     steady_spent = steady.spent
@@ -1237,8 +1237,8 @@ def figures(
         for k, v in p.role_cpu().items():
             totals[k] = totals.get(k, 0.0) + v
     join_cpu = join.control_cpu_s() / max(joined, 1)
-    renewals = max(renew.detail.get("renewed", 0), 1)
-    renew_cpu = renew.control_cpu_s() / renewals
+    renew = phases.get("renewal")  # None with --skip-renewal
+    renewals = max(renew.detail.get("renewed", 0), 1) if renew else 0
     return {
         "nodes": n,
         "procs": args.procs,
@@ -1277,15 +1277,7 @@ def figures(
         * 1e6
         / max(n * steady.wall_s, 1e-9)
         * args.ping_seconds,
-        "node_cpu_ms_per_renewal": renew.detail["simulators_cpu_s"] * 1000 / renewals,
-        "renewals_per_s": renewals / renew.wall_s,
-        "renewal_cpu_ms": renew_cpu * 1000,
-        "renewal_cpu_by_role_ms": {k: v * 1000 / renewals for k, v in renew.role_cpu().items()},
-        "renewal_floor_ms": floors["renewal"],
-        "renewal_floor_ratio": renew_cpu * 1000 / floors["renewal"],
-        "renewal_pg_xacts": renew.xacts / renewals,
-        "renewal_pg_cpu_ms": renew.pg_cpu_s() * 1000 / renewals,
-        "renewal_retried": renew.detail.get("retried", 0),
+        **renewal_figures(renew, renewals, floors),
         "revocations": rev.detail["revoked"],
         "revocation_p50_ms": pct(lat, 0.5) * 1000 if lat else None,
         "revocation_p99_ms": pct(lat, 0.99) * 1000 if lat else None,
@@ -1303,6 +1295,30 @@ def figures(
         **instruction_figures(phases, floors, joined, renewals, n),
         "revocation_latencies_ms": [round(x * 1000, 1) for x in lat],
     }
+
+
+def renewal_figures(renew: Phase | None, renewals: int, floors: dict[str, float]) -> dict[str, Any]:
+    """The renewal wave's figures; each None when the run skipped it (``--skip-renewal``)."""
+    if renew is None:
+        return dict.fromkeys(RENEWAL_KEYS)
+    return {
+        "node_cpu_ms_per_renewal": renew.detail["simulators_cpu_s"] * 1000 / renewals,
+        "renewals_per_s": renewals / renew.wall_s,
+        "renewal_cpu_ms": renew.control_cpu_s() / renewals * 1000,
+        "renewal_cpu_by_role_ms": {k: v * 1000 / renewals for k, v in renew.role_cpu().items()},
+        "renewal_floor_ms": floors["renewal"],
+        "renewal_floor_ratio": renew.control_cpu_s() / renewals * 1000 / floors["renewal"],
+        "renewal_pg_xacts": renew.xacts / renewals,
+        "renewal_pg_cpu_ms": renew.pg_cpu_s() * 1000 / renewals,
+        "renewal_retried": renew.detail.get("retried", 0),
+    }
+
+
+RENEWAL_KEYS = (
+    "node_cpu_ms_per_renewal", "renewals_per_s", "renewal_cpu_ms", "renewal_cpu_by_role_ms",
+    "renewal_floor_ms", "renewal_floor_ratio", "renewal_pg_xacts", "renewal_pg_cpu_ms",
+    "renewal_retried",
+)  # fmt: skip
 
 
 FIGURE_KEYS = (
@@ -1392,9 +1408,12 @@ def instruction_figures(
         },
         "session_open_instructions_M": per("sessions", n) / 1e6,
         "gateway_instructions_per_session_s": gw_steady / max(n * steady.wall_s, 1e-9),
-        "renewal_instructions_M": per("renewal", renewals) / 1e6,
     }
+    if "renewal" in phases:
+        out["renewal_instructions_M"] = per("renewal", renewals) / 1e6
     for op, count in (("join", joined), ("renewal", renewals)):
+        if op not in phases:
+            continue
         floor_ir = floors.get(f"{op}_ir")
         if floor_ir:
             out[f"{op}_floor_instructions_M"] = floor_ir / 1e6
@@ -1429,7 +1448,7 @@ def print_extrapolation(fig: dict[str, Any], target: int = 100_000) -> None:
     at_15s = fig["gateway_cpu_us_per_ping"] / 15 * target / 1e6
     rss_gb = fig["gateway_rss_kb_per_session"] * target / 1e6
     join_cpu_s = fig["join_cpu_ms"] * target / 1000
-    renew_cpu_s = fig["renewal_cpu_ms"] * target / 1000
+    renew_cpu_s = (fig["renewal_cpu_ms"] or math.nan) * target / 1000
     print(f"\nExtrapolated to {target:,} nodes (the per-unit costs above, linearly):")
     print(f"  gateways: at least {gws} (≤ {GATEWAY_SESSIONS_MAX:,} sessions each, the "
           f"listener's limit, under the {FILE_LIMIT:,}-file limit); simulator processes: "
@@ -1489,6 +1508,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steady-pings", type=int, default=3)
     parser.add_argument("--cert-ttl", type=int, default=1800)
     parser.add_argument("--revocations", type=int, default=None)
+    parser.add_argument(
+        "--skip-renewal",
+        action="store_true",
+        help="no renewal wave (its figures None): the revocations and the gateway loss at "
+        "an N whose renewal wave the simulator cannot drive in the time at hand",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--quick-floor", action="store_true", help="time the crypto floor briefly (tests)"
@@ -1589,8 +1614,9 @@ def main(argv: list[str] | None = None) -> int:
                 phases["sessions"] = phase_sessions(run, joined, 120 + joined / 10)
                 phases["sessions"].detail["rss_before_kb"] = rss_before
                 phases["steady"] = phase_steady(run, joined, args.ping_seconds * args.steady_pings)
-                phases["renewal"] = phase_renewal(run)
-                phases["renewal"].detail["renewed"] = run.total("renewed")
+                if not args.skip_renewal:
+                    phases["renewal"] = phase_renewal(run)
+                    phases["renewal"].detail["renewed"] = run.total("renewed")
                 phases["revocation"] = phase_revocation(
                     run, phases["join"].detail["nodes"], revocations, 60
                 )

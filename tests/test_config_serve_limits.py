@@ -97,38 +97,60 @@ def test_a_relay_listener_refuses_the_source_past_the_configured_bound(
         proc.wait(timeout=60)
 
 
-@pytest.mark.parametrize("value", ["0", "2049", "-1", "many", "1.5"])
-def test_a_bad_value_on_the_command_line_is_a_usage_error(tmp_path: Path, value: str) -> None:
-    done = run([BC, "serve", "--relay-max-per-source", value], env=cli_env(tmp_path))
+RELAY_RANGE = "a whole number from 1 to 2,048"
+PREFIX_RANGE = "a whole number from 48 to 128"
+BAD_ON_THE_COMMAND_LINE = [
+    *(("--relay-max-per-source", v, RELAY_RANGE) for v in ["0", "2049", "-1", "many", "1.5"]),
+    *(("--ipv6-source-prefix", v, PREFIX_RANGE)
+      for v in ["47", "129", "0", "256", "-48", "many", "56.0"]),
+]  # fmt: skip
+BAD_IN_THE_FILE = [
+    *(("relay-max-per-source", v, RELAY_RANGE) for v in ["0", "4096", '"many"']),
+    *(("ipv6-source-prefix", v, PREFIX_RANGE) for v in ["32", "129", '"many"']),
+]
+BAD_FROM_A_CALLER = [
+    ("relay_max_per_source", 0, "--relay-max-per-source must be " + RELAY_RANGE),
+    *(("ipv6_source_prefix", v, "--ipv6-source-prefix must be " + PREFIX_RANGE)
+      for v in [47, 129, True]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("flag", "value", "expected"), BAD_ON_THE_COMMAND_LINE)
+def test_a_bad_value_on_the_command_line_is_a_usage_error(
+    tmp_path: Path, flag: str, value: str, expected: str
+) -> None:
+    done = run([BC, "serve", flag, value], env=cli_env(tmp_path))
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1] == (
-        "better-compute: usage: argument --relay-max-per-source: a whole number from 1 to 2,048"
+        f"better-compute: usage: argument {flag}: {expected}"
     )
     assert "Traceback" not in done.stderr
 
 
-@pytest.mark.parametrize("value", ["0", "4096", '"many"'])
-def test_a_bad_value_in_the_file_is_a_usage_error_naming_it(tmp_path: Path, value: str) -> None:
-    config = _config(tmp_path / "serve.toml", f"relay-max-per-source = {value}\n")
+@pytest.mark.parametrize(("key", "value", "expected"), BAD_IN_THE_FILE)
+def test_a_bad_value_in_the_file_is_a_usage_error_naming_it(
+    tmp_path: Path, key: str, value: str, expected: str
+) -> None:
+    config = _config(tmp_path / "serve.toml", f"{key} = {value}\n")
     done = run([BC, "serve", "--config", str(config)], env=cli_env(tmp_path, secret=False))
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == (
-        f"better-compute: usage: {config}: argument --relay-max-per-source: a whole number "
-        "from 1 to 2,048"
-    )
+    assert done.stderr.strip() == f"better-compute: usage: {config}: argument --{key}: {expected}"
 
 
-def test_a_bad_value_from_a_caller_is_invalid_argument(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(("name", "value", "expected"), BAD_FROM_A_CALLER)
+def test_a_bad_value_from_a_caller_is_invalid_argument(
+    monkeypatch: pytest.MonkeyPatch, name: str, value: int, expected: str
+) -> None:
     monkeypatch.setattr(server, "setup_logging", lambda *_args: None)
     monkeypatch.setattr(server, "raise_file_limit", lambda: 1 << 20)
     with pytest.raises(ControlError) as refused:
         server.main(
             home=Path("/nonexistent"), db_url="sqlite://", api_listen="127.0.0.1:0",
             gateway_listen="127.0.0.1:0", gateway_san="127.0.0.1", gateway_url=None,
-            ready_file=None, secret=None, relay_max_per_source=0,
+            ready_file=None, secret=None, **{name: value},
         )  # fmt: skip
     assert refused.value.code == "INVALID_ARGUMENT"
-    assert refused.value.message == "--relay-max-per-source must be a whole number from 1 to 2,048"
+    assert refused.value.message == expected
 
 
 # --ipv6-source-prefix N: what every listener of the serve but the relay counts an IPv6
@@ -152,47 +174,6 @@ def test_the_relay_listener_counts_each_ipv6_address_as_a_source(per_source: int
     """Its clients are the operator's gateways, usually in one /48 or /64: grouped by a
     prefix they would share one source's share."""
     assert server.relay_limits(per_source).source_prefix == 128
-
-
-@pytest.mark.parametrize("value", ["47", "129", "0", "256", "-48", "many", "56.0"])
-def test_a_bad_ipv6_source_prefix_on_the_command_line_is_a_usage_error(
-    tmp_path: Path, value: str
-) -> None:
-    done = run([BC, "serve", "--ipv6-source-prefix", value], env=cli_env(tmp_path))
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines()[-1] == (
-        "better-compute: usage: argument --ipv6-source-prefix: a whole number from 48 to 128"
-    )
-    assert "Traceback" not in done.stderr
-
-
-@pytest.mark.parametrize("value", ["32", "129", '"many"'])
-def test_a_bad_ipv6_source_prefix_in_the_file_is_a_usage_error_naming_it(
-    tmp_path: Path, value: str
-) -> None:
-    config = _config(tmp_path / "serve.toml", f"ipv6-source-prefix = {value}\n")
-    done = run([BC, "serve", "--config", str(config)], env=cli_env(tmp_path, secret=False))
-    assert done.returncode == 2, done.stderr
-    assert done.stderr.strip() == (
-        f"better-compute: usage: {config}: argument --ipv6-source-prefix: a whole number "
-        "from 48 to 128"
-    )
-
-
-@pytest.mark.parametrize("value", [47, 129, True])
-def test_a_bad_ipv6_source_prefix_from_a_caller_is_invalid_argument(
-    monkeypatch: pytest.MonkeyPatch, value: int
-) -> None:
-    monkeypatch.setattr(server, "setup_logging", lambda *_args: None)
-    monkeypatch.setattr(server, "raise_file_limit", lambda: 1 << 20)
-    with pytest.raises(ControlError) as refused:
-        server.main(
-            home=Path("/nonexistent"), db_url="sqlite://", api_listen="127.0.0.1:0",
-            gateway_listen="127.0.0.1:0", gateway_san="127.0.0.1", gateway_url=None,
-            ready_file=None, secret=None, ipv6_source_prefix=value,
-        )  # fmt: skip
-    assert refused.value.code == "INVALID_ARGUMENT"
-    assert refused.value.message == "--ipv6-source-prefix must be a whole number from 48 to 128"
 
 
 @pytest.mark.parametrize("prefix", [48, 56, 64, 65, 80, 96, 127, 128])

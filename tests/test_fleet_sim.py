@@ -3,7 +3,8 @@
 An outcome, not a speed: 40 nodes in 2 simulator processes against an API replica and
 2 gateways on PostgreSQL join, hold their sessions, renew, lose 4 of them to
 revocations and move off a gateway killed with SIGKILL; every phase reports 0 errors and
-the JSON beside the plot holds every figure.
+the JSON beside the plot holds every figure. With ``--skip-renewal`` the same without
+the renewal wave, whose figures are then None.
 """
 
 from __future__ import annotations
@@ -22,16 +23,18 @@ pytestmark = [pytest.mark.e2e, pytest.mark.postgres]
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from bench.fleet import FIGURE_KEYS, PHASES  # noqa: E402
+from bench.fleet import FIGURE_KEYS, PHASES, RENEWAL_KEYS  # noqa: E402
 
 
-def test_every_phase_without_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("skip_renewal", [False, True])
+def test_every_phase_without_error(tmp_path: Path, skip_renewal: bool) -> None:
     assert PG_OK, f"PostgreSQL is not reachable at {PG_URL}"
     done = subprocess.run(
         [
             sys.executable, str(ROOT / "bench" / "fleet.py"), "--nodes", "40", "--procs", "2",
             "--gateways", "2", "--concurrency", "4", "--ping-seconds", "1",
             "--steady-pings", "2", "--quick-floor", "--out", str(tmp_path),
+            *(["--skip-renewal"] if skip_renewal else []),
         ],
         capture_output=True,
         text=True,
@@ -40,9 +43,16 @@ def test_every_phase_without_error(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     figures = json.loads((tmp_path / "fleet-40.json").read_text())
-    assert figures["errors"] == dict.fromkeys(PHASES, 0), done.stdout[-3000:]
+    ran = [p for p in PHASES if not (skip_renewal and p == "renewal")]
+    assert figures["errors"] == dict.fromkeys(ran, 0), done.stdout[-3000:]
     missing = [k for k in FIGURE_KEYS if k not in figures]
     assert not missing, missing
+    renewal = {k: figures[k] for k in RENEWAL_KEYS}
+    if skip_renewal:
+        assert renewal == dict.fromkeys(RENEWAL_KEYS), renewal
+    else:
+        assert None not in renewal.values(), renewal
+        assert figures["renewals_per_s"] > 0
     assert figures["revocations"] == 4
     # gw1 held the sessions of half the nodes but its revoked ones; all moved to gw2
     assert figures["reconnect_nodes"] >= 20 - figures["revocations"]
