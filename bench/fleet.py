@@ -1301,13 +1301,14 @@ def renewal_figures(renew: Phase | None, renewals: int, floors: dict[str, float]
     """The renewal wave's figures; each None when the run skipped it (``--skip-renewal``)."""
     if renew is None:
         return dict.fromkeys(RENEWAL_KEYS)
+    cpu_ms = renew.control_cpu_s() / renewals * 1000
     return {
         "node_cpu_ms_per_renewal": renew.detail["simulators_cpu_s"] * 1000 / renewals,
         "renewals_per_s": renewals / renew.wall_s,
-        "renewal_cpu_ms": renew.control_cpu_s() / renewals * 1000,
+        "renewal_cpu_ms": cpu_ms,
         "renewal_cpu_by_role_ms": {k: v * 1000 / renewals for k, v in renew.role_cpu().items()},
         "renewal_floor_ms": floors["renewal"],
-        "renewal_floor_ratio": renew.control_cpu_s() / renewals * 1000 / floors["renewal"],
+        "renewal_floor_ratio": cpu_ms / floors["renewal"],
         "renewal_pg_xacts": renew.xacts / renewals,
         "renewal_pg_cpu_ms": renew.pg_cpu_s() * 1000 / renewals,
         "renewal_retried": renew.detail.get("retried", 0),
