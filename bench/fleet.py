@@ -899,7 +899,7 @@ class Run:
         self.phases: list[Phase] = []
         self._meter: Meter | None = None
         self._xact = 0
-        self._handshakes: dict[str, dict[str, float]] = {}
+        self._counters: dict[str, dict[str, float]] = {}
         self._sims = 0.0
         self.profiler = profiler or Profiler(Path("."), False)
         self.instructions = instructions or Instructions(Path("."), False)
@@ -907,7 +907,7 @@ class Run:
     def begin(self, name: str) -> Phase:
         self._meter = Meter(self.roles)
         self._xact = xact_commit()
-        self._handshakes = handshake_outcomes(self.roles)
+        self._counters = gateway_counters(self.roles)
         self._sims = self.simulators_cpu_s()
         self._meter.start()
         targets = {"api": self.roles.pids["api"], "gw2": self.roles.pids["gw2"]}
@@ -931,12 +931,9 @@ class Run:
         phase.instructions = self.instructions.stop(self.roles.pids)
         phase.xacts = xact_commit() - self._xact
         phase.errors = errors
-        now = handshake_outcomes(self.roles)
-        both = now.keys() & self._handshakes.keys()  # the gateways read at both ends
-        phase.detail["handshakes"] = {
-            outcome: sum(now[gw][outcome] - self._handshakes[gw][outcome] for gw in both)
-            for outcome in HANDSHAKE_OUTCOMES
-        }
+        grown = counter_deltas(self._counters, gateway_counters(self.roles))
+        phase.detail["handshakes"] = {o: grown.get(f"hs:{o}", 0.0) for o in HANDSHAKE_OUTCOMES}
+        phase.detail["delivery"] = {k: v for k, v in grown.items() if k.startswith("le:")}
         print(
             f"[{phase.name}] {phase.wall_s:.2f} s, errors {errors}, control-plane CPU "
             f"{phase.control_cpu_s():.2f} s ({phase.pg_cpu_s():.2f} s PostgreSQL), "
@@ -987,9 +984,10 @@ class Run:
         return answers
 
 
-def handshake_outcomes(roles: Roles) -> dict[str, dict[str, float]]:
-    """Each running gateway's ``bc_tls_handshakes_total`` of its gateway listener, by
-    outcome (a killed gateway's are gone with it)."""
+def gateway_counters(roles: Roles) -> dict[str, dict[str, float]]:
+    """Each running gateway's counters the run reads (a killed gateway's are gone with
+    it): ``bc_tls_handshakes_total`` of its gateway listener by outcome (``hs:OUTCOME``)
+    and the cumulative buckets of ``bc_revocation_delivery_seconds`` (``le:BOUND``)."""
     out: dict[str, dict[str, float]] = {}
     for i, gw in enumerate(roles.fleet.gateways):
         name = f"gw{i + 1}"
@@ -999,15 +997,45 @@ def handshake_outcomes(roles: Roles) -> dict[str, dict[str, float]]:
             answer = httpx.get(f"{gw.ready['metrics']}/metrics", timeout=10)
             answer.raise_for_status()
         except httpx.HTTPError as exc:  # a figure lost, not the run
-            print(f"  (no handshake figures from {name}: {exc})", flush=True)
+            print(f"  (no counters from {name}: {exc})", flush=True)
             continue
-        counts = out[name] = dict.fromkeys(HANDSHAKE_OUTCOMES, 0.0)
+        counts = out[name] = {f"hs:{o}": 0.0 for o in HANDSHAKE_OUTCOMES}
         for family in text_string_to_metric_families(answer.text):
             for sample in family.samples:
                 labels = sample.labels
                 if sample.name == "bc_tls_handshakes_total" and labels["listener"] == "gateway":
-                    counts[labels["outcome"]] = sample.value
+                    counts[f"hs:{labels['outcome']}"] = sample.value
+                elif sample.name == "bc_revocation_delivery_seconds_bucket":
+                    counts[f"le:{labels['le']}"] = sample.value
     return out
+
+
+def counter_deltas(
+    before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]
+) -> dict[str, float]:
+    """Each counter's growth, summed over the gateways read at both ends."""
+    both = after.keys() & before.keys()
+    keys = {k for gw in both for k in after[gw]}
+    return {k: sum(after[gw].get(k, 0.0) - before[gw].get(k, 0.0) for gw in both) for k in keys}
+
+
+def bucket_quantile(deltas: dict[str, float], q: float) -> float | None:
+    """The q-quantile of a histogram's cumulative ``le:`` buckets, interpolated linearly
+    within its bucket as PromQL's histogram_quantile does (None with no observation;
+    the largest finite bound when it falls in +Inf)."""
+    bounds = sorted((float(k[3:]), v) for k, v in deltas.items() if k.startswith("le:"))
+    total = bounds[-1][1] if bounds else 0.0
+    if total <= 0:
+        return None
+    rank, lower, below = q * total, 0.0, 0.0
+    for bound, count in bounds:
+        if count >= rank:
+            if math.isinf(bound):
+                return lower
+            inside = count - below
+            return lower + (bound - lower) * ((rank - below) / inside if inside else 1.0)
+        lower, below = bound, count
+    return lower
 
 
 def error_count(answers: list[dict[str, Any]], phase: str) -> int:
@@ -1131,7 +1159,22 @@ def phase_revocation(run: Run, nodes: dict[int, str], count: int, timeout: float
     missing = len(calls) - len(from_start)
     dropped = run.total("losses") - losses
     phase.errors = len(failed) + missing + dropped
+    # the gateways' own share: from the revoking transaction (the database's clock) to
+    # the notice queued on the session (bc_revocation_delivery_seconds), without the
+    # simulator's receiving and checking it
+    delivery = phase.detail["delivery"]
+    pushed = int(delivery.get("le:+Inf", 0))
+    on_gateway = [bucket_quantile(delivery, q) for q in (0.5, 0.99)]
+    print(
+        f"  the gateways pushed {pushed} notices; revoking transaction to the notice "
+        "queued, p50 / p99 (their histogram's buckets): "
+        + " / ".join("-" if v is None else f"{v * 1000:.0f} ms" for v in on_gateway),
+        flush=True,
+    )
     phase.detail.update(
+        gateway_pushed=pushed,
+        gateway_p50_s=on_gateway[0],
+        gateway_p99_s=on_gateway[1],
         revoked=len(calls),
         latency_s=from_start,
         from_return_s=from_return,
@@ -1281,6 +1324,9 @@ def figures(
         "revocations": rev.detail["revoked"],
         "revocation_p50_ms": pct(lat, 0.5) * 1000 if lat else None,
         "revocation_p99_ms": pct(lat, 0.99) * 1000 if lat else None,
+        "revocation_gateway_pushed": rev.detail["gateway_pushed"],
+        "revocation_gateway_p50_ms": ms_or_none(rev.detail["gateway_p50_s"]),
+        "revocation_gateway_p99_ms": ms_or_none(rev.detail["gateway_p99_s"]),
         "revocation_from_return_p99_ms": (
             pct(rev.detail["from_return_s"], 0.99) * 1000 if lat else None
         ),
@@ -1295,6 +1341,10 @@ def figures(
         **instruction_figures(phases, floors, joined, renewals, n),
         "revocation_latencies_ms": [round(x * 1000, 1) for x in lat],
     }
+
+
+def ms_or_none(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000
 
 
 def renewal_figures(renew: Phase | None, renewals: int, floors: dict[str, float]) -> dict[str, Any]:
@@ -1328,7 +1378,8 @@ FIGURE_KEYS = (
     "gateway_cpu_us_per_ping", "node_cpu_ms_per_join", "node_cpu_ms_per_session_open",
     "node_cpu_us_per_ping", "node_cpu_ms_per_renewal", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
     "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
-    "revocation_p99_ms", "reconnect_time_s",
+    "revocation_p99_ms", "revocation_gateway_pushed", "revocation_gateway_p50_ms",
+    "revocation_gateway_p99_ms", "reconnect_time_s",
     "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s",
     "cpu_total_by_role_s",
 )  # fmt: skip

@@ -54,6 +54,9 @@ def test_every_phase_without_error(tmp_path: Path, skip_renewal: bool) -> None:
         assert None not in renewal.values(), renewal
         assert figures["renewals_per_s"] > 0
     assert figures["revocations"] == 4
+    # every revoked node's session got its signed notice from its gateway, which timed it
+    assert figures["revocation_gateway_pushed"] == figures["revocations"]
+    assert figures["revocation_gateway_p99_ms"] is not None
     # gw1 held the sessions of half the nodes but its revoked ones; all moved to gw2
     assert figures["reconnect_nodes"] >= 20 - figures["revocations"]
     assert figures["reconnect_time_s"] is not None
