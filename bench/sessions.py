@@ -41,7 +41,10 @@ For each N (ascending; the sessions of a smaller N stay open):
   intervals with the N sessions idle, less its CPU over the same window with no
   session (the revocation poll, the reporter), divided by N × the window; and
   per ping (the same CPU divided by the pings the workers counted), and what that
-  is per idle session-second at the default 15 s ping interval.
+  is per idle session-second at the default 15 s ping interval;
+- ``node µs/ping``: the worker processes' CPU over the same window per ping they
+  read: bcd's client side of a session (``GatewayClient.session``'s lines over its
+  transport and trio's TLS), the bench's own JSON parse of each line included.
 
 ``--profile memory|idle|open`` runs serve with tracemalloc or a sampling profiler
 (SIGPROF, 1 ms of CPU; figures not comparable): the bench puts a ``sitecustomize``
@@ -449,6 +452,7 @@ def bench(sizes: list[int], ping_s: float, window_pings: int, profile: str | Non
                 rss = rss_kb(pid)
                 pings0 = sum(w.ask()["pings"] for w in workers)
                 c = proc_cpu_s(pid)
+                node_c = sum(proc_cpu_s(w.proc.pid) for w in workers)
                 t = time.perf_counter()
                 if profile == "idle" and n == max(sizes):
                     os.kill(pid, signal.SIGUSR2)
@@ -456,6 +460,7 @@ def bench(sizes: list[int], ping_s: float, window_pings: int, profile: str | Non
                 if profile == "idle" and n == max(sizes):
                     os.kill(pid, signal.SIGUSR2)
                 cpu = proc_cpu_s(pid) - c
+                node_cpu = sum(proc_cpu_s(w.proc.pid) for w in workers) - node_c
                 wall = time.perf_counter() - t
                 counts = [w.ask() for w in workers]
                 pings = sum(x["pings"] for x in counts) - pings0
@@ -479,6 +484,8 @@ def bench(sizes: list[int], ping_s: float, window_pings: int, profile: str | Non
                     "idle_us_s": per_s_us,
                     "ping_us": per_ping_us,
                     "at15_us_s": per_ping_us / 15,
+                    # the worker processes: bcd's client reading each ping line
+                    "node_ping_us": node_cpu / max(1, pings) * 1e6,
                     "pings": pings,
                 }
                 rows.append(row)
@@ -493,11 +500,11 @@ def bench(sizes: list[int], ping_s: float, window_pings: int, profile: str | Non
                     snaps += 1
                     wait_file(prof / f"snap-{snaps}.done")
             print("\n     N   RSS KB/sess  anon KB/sess  CPU ms/open (raw)  opens/s  "
-                  "idle µs/sess-s  µs/ping  µs/sess-s at 15 s")  # fmt: skip
+                  "idle µs/sess-s  µs/ping  µs/sess-s at 15 s  node µs/ping")  # fmt: skip
             for r in rows:
                 print(f"{r['n']:6d}  {r['rss_kb']:11.1f}  {r['anon_kb']:12.1f}  "
                       f"{r['open_ms']:6.2f} ({r['open_raw_ms']:6.2f})  {r['open_rate']:7.0f}  "
-                      f"{r['idle_us_s']:14.1f}  {r['ping_us']:7.0f}  {r['at15_us_s']:18.2f}")  # fmt: skip
+                      f"{r['idle_us_s']:14.1f}  {r['ping_us']:7.0f}  {r['at15_us_s']:18.2f}  {r['node_ping_us']:12.0f}")  # fmt: skip
             if profile == "memory":
                 print_snapshot_diff(prof, 1, snaps, max(sizes))
             elif profile:
