@@ -168,6 +168,8 @@ the dials under way, whose redials made more garbage, until no session opened)."
 SAMPLE_S = 0.5
 FILE_LIMIT = 20_000
 GATEWAY_SESSIONS_MAX = 16_000  # control.server.LIMITS["gateway"].max_connections
+TABLES_SHOWN = 4
+"""The tables each phase's line names, by the rows sequential scans read."""
 PHASES = ("join", "sessions", "steady", "renewal", "revocation", "restart")
 
 
@@ -684,6 +686,19 @@ def rss_kb(pid: int) -> int:
     return 0
 
 
+def table_reads(schema: str) -> dict[str, tuple[int, int, int, int]]:
+    """Per table of the run's schema: (sequential scans, rows they read, index scans,
+    rows those fetched) from ``pg_stat_user_tables`` (PostgreSQL's counters, flushed by
+    each backend about once a second)."""
+    with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
+        rows = conn.execute(
+            "SELECT relname, seq_scan, seq_tup_read, COALESCE(idx_scan, 0), "
+            "COALESCE(idx_tup_fetch, 0) FROM pg_stat_user_tables WHERE schemaname = %s",
+            (schema,),
+        ).fetchall()
+    return {str(r[0]): (int(r[1]), int(r[2]), int(r[3]), int(r[4])) for r in rows}
+
+
 def xact_commit() -> int:
     with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
         row = conn.execute(
@@ -922,6 +937,7 @@ class Run:
         self._meter: Meter | None = None
         self._xact = 0
         self._counters: dict[str, dict[str, float]] = {}
+        self._tables: dict[str, tuple[int, int, int, int]] = {}
         self._sims = 0.0
         self.profiler = profiler or Profiler(Path("."), False)
         self.instructions = instructions or Instructions(Path("."), False)
@@ -929,6 +945,7 @@ class Run:
     def begin(self, name: str) -> Phase:
         self._meter = Meter(self.roles)
         self._xact = xact_commit()
+        self._tables = table_reads(self.roles.fleet.schema)
         self._counters = gateway_counters(self.roles)
         self._sims = self.simulators_cpu_s()
         self._meter.start()
@@ -952,6 +969,15 @@ class Run:
         self.profiler.stop()
         phase.instructions = self.instructions.stop(self.roles.pids)
         phase.xacts = xact_commit() - self._xact
+        tables = table_reads(self.roles.fleet.schema)
+        reads = {
+            name: [a - b for a, b in zip(now, self._tables.get(name, (0, 0, 0, 0)), strict=True)]
+            for name, now in tables.items()
+        }
+        # the tables read most by sequential scans: what PostgreSQL's CPU went to
+        phase.detail["table_reads"] = dict(
+            sorted(reads.items(), key=lambda kv: -kv[1][1])[:TABLES_SHOWN]
+        )
         phase.errors = errors
         grown = counter_deltas(self._counters, gateway_counters(self.roles))
         phase.detail["handshakes"] = {o: grown.get(f"hs:{o}", 0.0) for o in HANDSHAKE_OUTCOMES}
@@ -961,6 +987,15 @@ class Run:
             f"{phase.control_cpu_s():.2f} s ({phase.pg_cpu_s():.2f} s PostgreSQL), "
             f"{phase.xacts} PostgreSQL transactions; the gateways' TLS handshakes: "
             + ", ".join(f"{k} {v:.0f}" for k, v in phase.detail["handshakes"].items()),
+            flush=True,
+        )
+        scans = "; ".join(
+            f"{name} {v[0]} ({v[1]}) / {v[2]} ({v[3]})"
+            for name, v in phase.detail["table_reads"].items()
+            if any(v)
+        )
+        print(
+            "  sequential scans (rows read) / index scans (rows fetched): " + (scans or "none"),
             flush=True,
         )
         return phase
