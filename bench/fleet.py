@@ -1767,7 +1767,13 @@ def main(argv: list[str] | None = None) -> int:
         **fig,
         "samples": sampler.samples,
         "phases": {
-            k: {"start": p.start, "end": p.end, "errors": p.errors} for k, p in phases.items()
+            k: {
+                "start": p.start,
+                "end": p.end,
+                "errors": p.errors,
+                "table_reads": p.detail.get("table_reads"),
+            }
+            for k, p in phases.items()
         },
     }
     json_path = args.out / f"fleet-{n}.json"
