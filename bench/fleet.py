@@ -50,7 +50,14 @@ gateway admits at most 1,024 connections per source address.
    up on the old certificate;
 4. *revocations*: R random nodes (default min(200, N/10)) revoked through the API replica
    (4 calls at a time); latency from the call to the moment the node's session task
-   raised ``CertificateRevoked`` (the signed revocation line); no other session may drop;
+   raised ``CertificateRevoked`` (the signed revocation line); no other session may drop.
+   Beside it, apart: the gateways' own share, from the revoking transaction's
+   ``revoked_at`` to the notice queued on the session (their
+   ``bc_revocation_delivery_seconds`` over the phase, quantiles interpolated within its
+   buckets, and the notices pushed), and the call's start to the moment each node's bcd
+   had verified the signed notice (its "certificate revoked" log record, timed in the
+   simulator): what is left is the simulator receiving the line, checking it and ending
+   the session, on a process that holds N/P nodes;
 5. *gateway restart*: ``kill -9`` of gw1; its nodes redial with bcd's backoff, through
    the others; the time until each of the sessions gw1 held (counted by the simulators
    before the kill) was lost and every live node holds a session again, and the
@@ -79,7 +86,9 @@ slower, so a small N (e.g. ``--nodes 200 --procs 1 --concurrency 4 --ping-second
 
 CPU: utime + stime from ``/proc`` of the API replica, each gateway and their PostgreSQL
 backends, over each phase; PostgreSQL transactions are ``pg_stat_database``'s
-``xact_commit`` delta of the database (other users of the database count too). The
+``xact_commit`` delta of the database (other users of the database count too), and each
+phase names the run schema's tables its sequential scans read most, with the rows read
+and the index scans (``pg_stat_user_tables``; in the JSON under ``phases``). The
 figures go to ``DIR/fleet-N.json`` and the plot to ``DIR/fleet-N.png`` (``--out``,
 default ``bench/out``).
 """
