@@ -198,7 +198,15 @@ class _Gate:
         when they did not come while ``HANDSHAKE_LEFT_SHARE`` of ``HANDSHAKE_TIMEOUT``
         was still left before ``deadline`` (counted, and warned of at most once a
         minute): a handshake started later would most likely be cut off unfinished,
-        its work wasted."""
+        its work wasted.
+
+        A free slot is taken at once, with no wait and no yield, however late the
+        connection's task runs: only a connection that had to queue for a slot gives up.
+        A gateway whose event loop runs seconds behind (its CPU saturated) has not run
+        out of slots, and its connections' handshakes end ``completed`` or
+        ``timed-out``, not ``no-slot`` under a limit it never reached (trio's
+        ``CapacityLimiter.acquire`` fails a task already past its deadline before it
+        looks for a token, and yields after taking one)."""
         mine, users = self.handshakes_of.get(source) or (
             trio.CapacityLimiter(self.limits.max_handshakes_per_source),
             0,
@@ -208,9 +216,9 @@ class _Gate:
             async with contextlib.AsyncExitStack() as held:
                 limit = "handshakes-per-source"
                 with trio.move_on_at(deadline - HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE):
-                    await held.enter_async_context(mine)
+                    await _take(held, mine)
                     limit = "handshakes"
-                    await held.enter_async_context(self.handshakes)
+                    await _take(held, self.handshakes)
                     limit = ""
                 if limit:
                     self._too_late(limit)
@@ -235,6 +243,17 @@ class _Gate:
                 self.limits.max_handshakes_per_source,
             )
             self.late_warned_at, self.late = now, 0
+
+
+async def _take(held: contextlib.AsyncExitStack, limiter: trio.CapacityLimiter) -> None:
+    """One of ``limiter``'s tokens, held until ``held`` closes: a free one at once (none
+    is free while others queue: first come, first served), else in its queue."""
+    try:
+        limiter.acquire_nowait()
+    except trio.WouldBlock:
+        await held.enter_async_context(limiter)
+    else:
+        held.callback(limiter.release)
 
 
 @dataclass

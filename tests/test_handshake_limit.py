@@ -370,6 +370,39 @@ async def test_a_connection_without_a_slot_in_time_gives_up_with_a_fifth_left(
     assert _idle(gate)
 
 
+async def test_a_free_slot_is_taken_however_late_the_connection_is_reached(
+    autojump_clock: MockClock,
+) -> None:
+    # a gateway whose event loop runs behind reaches a connection past the time its
+    # wait for a slot would have ended: the slots are free, so it takes them and
+    # handshakes (within its deadline), and no limit is said to be hit
+    hits: list[str] = []
+    gate = _Gate(ONE, hits.append)
+    async with gate.handshake_slot("a", trio.current_time() + 0.5) as slot:
+        assert slot
+        assert gate.handshakes.borrowed_tokens == 1
+    assert hits == []
+    assert _idle(gate)
+
+
+@pytest.mark.parametrize(("source", "limit"), [("a", "handshakes-per-source"), ("b", "handshakes")])
+async def test_a_late_connection_does_not_queue_for_a_taken_slot(
+    autojump_clock: MockClock, source: str, limit: str
+) -> None:
+    hits: list[str] = []
+    gate = _Gate(ONE, hits.append)
+    release = trio.Event()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(_hold, gate, release)
+        started = trio.current_time()
+        async with gate.handshake_slot(source, started + 0.5) as slot:
+            assert not slot
+            assert trio.current_time() == started  # gave up at once
+        assert hits == [limit]
+        release.set()
+    assert _idle(gate)
+
+
 @pytest.mark.parametrize("source", ["a", "b"])  # waiting for its source's slot, the listener's
 async def test_a_connection_cancelled_while_it_waits_for_a_slot_leaves_nothing(
     autojump_clock: MockClock, source: str
