@@ -72,9 +72,11 @@ OnHandshake = Callable[[str], None]
 """Told each TLS connection's handshake outcome: ``completed``; ``failed`` (the
 client's TLS was refused, or it went away mid-handshake); ``timed-out`` (not done in
 ``HANDSHAKE_TIMEOUT``); ``silent`` (it closed, or had sent nothing with a fifth of that
-time left, without a byte: a TCP health check, a port scan); ``no-slot`` (no handshake
-slot came in time, as the ``OnLimit`` hit says, in a drain too). A connection hung up
-by a drain before or after its wait for a slot is not told."""
+time left, without a byte: a TCP health check, a port scan); ``no-slot`` (it queued
+for a handshake slot that did not come in time, as the ``OnLimit`` hit says, in a
+drain too); ``late`` (its process reached it with under a fifth of that time left,
+slots free: the process runs behind). A connection hung up by a drain before or
+after its wait for a slot is not told."""
 _LIMIT_OF_STATUS = {413: "request-body", 431: "request-head"}
 
 
@@ -157,6 +159,8 @@ class _Gate:
     handshakes: trio.CapacityLimiter = field(init=False)
     # per source with a handshake under way or waiting: its slots, and how many use them
     handshakes_of: dict[str, tuple[trio.CapacityLimiter, int]] = field(default_factory=dict)
+    no_slot: int = 0
+    no_slot_warned_at: float = -1e9
     late: int = 0
     late_warned_at: float = -1e9
 
@@ -192,21 +196,26 @@ class _Gate:
             self.by_source.pop(source, None)
 
     @contextlib.asynccontextmanager
-    async def handshake_slot(self, source: str, deadline: float) -> AsyncIterator[bool]:
+    async def handshake_slot(self, source: str, deadline: float) -> AsyncIterator[str | None]:
         """Hold one of ``source``'s handshake slots, then one of the listener's (each
-        queue first come, first served), while the block runs; it is told True, or False
-        when they did not come while ``HANDSHAKE_LEFT_SHARE`` of ``HANDSHAKE_TIMEOUT``
-        was still left before ``deadline`` (counted, and warned of at most once a
-        minute): a handshake started later would most likely be cut off unfinished,
-        its work wasted.
+        queue first come, first served), while the block runs; it is told None, or why
+        the connection gets no handshake when less than ``HANDSHAKE_LEFT_SHARE`` of
+        ``HANDSHAKE_TIMEOUT`` is left before ``deadline``: a handshake started later
+        would most likely be cut off unfinished, its work wasted.
 
-        A free slot is taken at once, with no wait and no yield, however late the
-        connection's task runs: only a connection that had to queue for a slot gives up.
-        A gateway whose event loop runs seconds behind (its CPU saturated) has not run
-        out of slots, and its connections' handshakes end ``completed`` or
-        ``timed-out``, not ``no-slot`` under a limit it never reached (trio's
-        ``CapacityLimiter.acquire`` fails a task already past its deadline before it
-        looks for a token, and yields after taking one)."""
+        ``no-slot``: it queued for a slot, which did not come in time (counted as the
+        limit's hit, and warned of at most once a minute). ``late``: this process
+        reached the connection that late, its event loop running behind (its CPU
+        saturated), with no queue in its way: no limit's doing (warned of at most once
+        a minute too). A free slot is taken at once, with no yield, so a process that
+        runs behind never shows a limit it did not reach (trio's
+        ``CapacityLimiter.acquire`` fails a task past its deadline before it looks for
+        a token, and yields after taking one)."""
+        cutoff = deadline - HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE
+        if trio.current_time() >= cutoff:
+            self._behind()
+            yield "late"
+            return
         mine, users = self.handshakes_of.get(source) or (
             trio.CapacityLimiter(self.limits.max_handshakes_per_source),
             0,
@@ -215,14 +224,14 @@ class _Gate:
         try:
             async with contextlib.AsyncExitStack() as held:
                 limit = "handshakes-per-source"
-                with trio.move_on_at(deadline - HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE):
+                with trio.move_on_at(cutoff):
                     await _take(held, mine)
                     limit = "handshakes"
                     await _take(held, self.handshakes)
                     limit = ""
                 if limit:
-                    self._too_late(limit)
-                yield not limit
+                    self._no_slot(limit)
+                yield "no-slot" if limit else None
         finally:
             mine, users = self.handshakes_of[source]
             if users > 1:
@@ -230,17 +239,31 @@ class _Gate:
             else:
                 del self.handshakes_of[source]
 
-    def _too_late(self, limit: str) -> None:
+    def _no_slot(self, limit: str) -> None:
         self.on_limit(limit)
+        self.no_slot += 1
+        now = trio.current_time()
+        if now - self.no_slot_warned_at >= 60:
+            logger.warning(
+                "handshake limit: closed %d connections that found no TLS handshake slot in "
+                "time (at most %d handshakes at once, %d per source)",
+                self.no_slot,
+                self.limits.max_handshakes,
+                self.limits.max_handshakes_per_source,
+            )
+            self.no_slot_warned_at, self.no_slot = now, 0
+
+    def _behind(self) -> None:
         self.late += 1
         now = trio.current_time()
         if now - self.late_warned_at >= 60:
             logger.warning(
-                "handshake limit: closed %d connections that found no TLS handshake slot in "
-                "time (at most %d handshakes at once, %d per source)",
+                "running behind: closed %d connections reached with less than %.0f s of "
+                "their %.0f s for the TLS handshake left, with handshake slots free (the "
+                "process is short of CPU)",
                 self.late,
-                self.limits.max_handshakes,
-                self.limits.max_handshakes_per_source,
+                HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE,
+                HANDSHAKE_TIMEOUT,
             )
             self.late_warned_at, self.late = now, 0
 
@@ -466,9 +489,9 @@ async def _connection(
                     logger.debug("TLS handshake from %s: nothing sent in time", remote)
                     on_handshake("silent")
                 return  # a silent connection never took a handshake slot
-            async with gate.handshake_slot(source, deadline) as slot:
-                if not slot:
-                    on_handshake("no-slot")  # as the limit hit counted it
+            async with gate.handshake_slot(source, deadline) as refusal:
+                if refusal:
+                    on_handshake(refusal)  # no-slot (as the limit hit counted it), late
                     return  # no TLS work for a connection whose slot came too late
                 if life.draining.is_set():
                     return  # nor for one in a drain

@@ -40,7 +40,7 @@ LIMITS = (
     "vouches-per-site-agent",
 )
 REPORT_DROP_REASONS = ("queue-full", "upstream")
-HANDSHAKE_OUTCOMES = ("completed", "failed", "timed-out", "silent", "no-slot")
+HANDSHAKE_OUTCOMES = ("completed", "failed", "timed-out", "silent", "no-slot", "late")
 TLS_LISTENERS = ("gateway", "relay")
 _REASON = re.compile(r"[a-z][a-z0-9-]{0,39}")
 REASONS_PER_ATTESTOR = 32
@@ -113,7 +113,7 @@ class Metrics:
         )  # fmt: skip
         self.handshakes = Counter(
             "bc_tls_handshakes", "TLS connections of a listener by how their handshake "
-            "ended (completed, failed, timed-out, silent, no-slot).", ["listener", "outcome"],
+            "ended (completed, failed, timed-out, silent, no-slot, late).", ["listener", "outcome"],
             registry=r,
         )  # fmt: skip
         self.join_requests_pending = Gauge(

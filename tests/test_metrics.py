@@ -133,7 +133,7 @@ async def test_the_counters_move_as_the_run_did(
     assert _value(after, hs, listener="gateway", outcome="completed") >= 5
     assert {k[1] for k in after if k[0] == hs} == {
         (("listener", "gateway"), ("outcome", o))
-        for o in ("completed", "failed", "timed-out", "silent", "no-slot")
+        for o in ("completed", "failed", "timed-out", "silent", "no-slot", "late")
     }  # the plain API and metrics listeners have no handshakes
     assert _value(after, hs, listener="gateway", outcome="no-slot") == 0
     assert _value(after, hs, listener="gateway", outcome="timed-out") == 0
@@ -296,6 +296,7 @@ def test_handshake_outcomes_are_bounded_labels() -> None:
     assert samples[(("listener", "gateway"), ("outcome", "completed"))] == 1
     assert samples[(("listener", "gateway"), ("outcome", "other"))] == 1
     assert samples[(("listener", "gateway"), ("outcome", "no-slot"))] == 0  # there from the start
+    assert samples[(("listener", "gateway"), ("outcome", "late"))] == 0
     assert samples[(("listener", "other"), ("outcome", "silent"))] == 1
     assert {v for k in samples for name, v in k if name == "listener"} == {"gateway", "other"}
 
