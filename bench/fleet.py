@@ -88,7 +88,9 @@ CPU: utime + stime from ``/proc`` of the API replica, each gateway and their Pos
 backends, over each phase; PostgreSQL transactions are ``pg_stat_database``'s
 ``xact_commit`` delta of the database (other users of the database count too), and each
 phase names the run schema's tables its sequential scans read most, with the rows read
-and the index scans (``pg_stat_user_tables``; in the JSON under ``phases``). The
+and the index scans (``pg_stat_user_tables``, which each backend publishes up to about
+a second late, so a short phase may count a neighbour's; in the JSON under
+``phases``). The
 figures go to ``DIR/fleet-N.json`` and the plot to ``DIR/fleet-N.png`` (``--out``,
 default ``bench/out``).
 """
@@ -595,7 +597,7 @@ def worker_main() -> int:
     # bcd logs "certificate revoked" once the signed notice verified: note the time on
     # the node (its session's context), whatever the level the log is kept at
     noted = logging.getLogger("bcd.revocation")
-    noted.setLevel(logging.ERROR)
+    noted.setLevel(min(logging.ERROR, logging.getLogger().getEffectiveLevel()))
     noted.addFilter(_VerifiedAt(logging.getLogger().getEffectiveLevel()))
     _log_slow_collections()
     young, middle, _ = gc.get_threshold()

@@ -44,7 +44,8 @@ For each N (ascending; the sessions of a smaller N stay open):
   is per idle session-second at the default 15 s ping interval;
 - ``node µs/ping``: the worker processes' CPU over the same window per ping they
   read: bcd's client side of a session (``GatewayClient.session``'s lines over its
-  transport and trio's TLS), the bench's own JSON parse of each line included.
+  transport and trio's TLS), the bench's own JSON parse of each line and the
+  workers' own idle CPU (no baseline taken: an idle trio loop with no timer) included.
 
 ``--profile memory|idle|open`` runs serve with tracemalloc or a sampling profiler
 (SIGPROF, 1 ms of CPU; figures not comparable): the bench puts a ``sitecustomize``

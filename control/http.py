@@ -32,7 +32,7 @@ from bcd.wire import STATUS, dumps
 
 logger = logging.getLogger("control.http")
 
-HANDSHAKE_TIMEOUT = 5.0  # from accept to the handshake's end: waits for first bytes, slot in it
+HANDSHAKE_TIMEOUT = 5.0  # from the connection's task start to the handshake's end, waits in it
 HANDSHAKE_LEFT_SHARE = 0.2  # a handshake slot that comes with less of that left goes unused
 FIRST_REQUEST_TIMEOUT = 10.0  # a new connection's first request head must arrive by then
 IDLE_TIMEOUT = 60.0  # keep-alive: wait this long for the next request
@@ -74,8 +74,9 @@ client's TLS was refused, or it went away mid-handshake); ``timed-out`` (not don
 ``HANDSHAKE_TIMEOUT``); ``silent`` (it closed, or had sent nothing with a fifth of that
 time left, without a byte: a TCP health check, a port scan); ``no-slot`` (it queued
 for a handshake slot that did not come in time, as the ``OnLimit`` hit says, in a
-drain too); ``late`` (its process reached it with under a fifth of that time left,
-slots free: the process runs behind). A connection hung up by a drain before or
+drain too); ``late`` (its process reached it with under a fifth of that time left:
+the process runs behind, or its client's first bytes came at the last moment; in a
+drain too). A connection hung up by a drain before or
 after its wait for a slot is not told."""
 _LIMIT_OF_STATUS = {413: "request-body", 431: "request-head"}
 
@@ -204,13 +205,14 @@ class _Gate:
         would most likely be cut off unfinished, its work wasted.
 
         ``no-slot``: it queued for a slot, which did not come in time (counted as the
-        limit's hit, and warned of at most once a minute). ``late``: this process
-        reached the connection that late, its event loop running behind (its CPU
-        saturated), with no queue in its way: no limit's doing (warned of at most once
-        a minute too). A free slot is taken at once, with no yield, so a process that
-        runs behind never shows a limit it did not reach (trio's
-        ``CapacityLimiter.acquire`` fails a task past its deadline before it looks for
-        a token, and yields after taking one)."""
+        limit's hit, and warned of at most once a minute). ``late``: this process got to
+        the connection, or back to it from the slot's queue, that late, whatever the
+        slots: its event loop running behind (its CPU saturated), or a client whose
+        first bytes came at the edge of their time (the process cannot tell these
+        apart); no limit's doing (warned of at most once a minute too). A free slot is
+        taken at once, with no yield, so a process that runs behind never shows a limit
+        it did not reach (trio's ``CapacityLimiter.acquire`` fails a task past its
+        deadline before it looks for a token, and yields after taking one)."""
         cutoff = deadline - HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE
         if trio.current_time() >= cutoff:
             self._behind()
@@ -229,9 +231,14 @@ class _Gate:
                     limit = "handshakes"
                     await _take(held, self.handshakes)
                     limit = ""
+                refusal = None
                 if limit:
                     self._no_slot(limit)
-                yield "no-slot" if limit else None
+                    refusal = "no-slot"
+                elif trio.current_time() >= cutoff:  # its slot came, but it ran too late
+                    self._behind()
+                    refusal = "late"
+                yield refusal
         finally:
             mine, users = self.handshakes_of[source]
             if users > 1:
@@ -259,8 +266,8 @@ class _Gate:
         if now - self.late_warned_at >= 60:
             logger.warning(
                 "running behind: closed %d connections reached with less than %.0f s of "
-                "their %.0f s for the TLS handshake left, with handshake slots free (the "
-                "process is short of CPU)",
+                "their %.0f s for the TLS handshake left (the process is short of CPU, or "
+                "their clients sent their first bytes at the last moment)",
                 self.late,
                 HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE,
                 HANDSHAKE_TIMEOUT,

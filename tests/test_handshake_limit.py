@@ -396,6 +396,31 @@ async def test_a_connection_reached_with_under_a_fifth_left_is_late_not_a_limits
     assert "closed 1 connections" in warned[0].getMessage()
 
 
+async def test_a_slot_that_comes_as_its_process_runs_too_late_goes_unused(
+    autojump_clock: MockClock,
+) -> None:
+    # "b" queues for the listener's only slot; "a" gives it back at 3.9 s, and the
+    # process gets back to "b" only at 4.1 s, past its cutoff: late, not a handshake
+    hits: list[str] = []
+    gate = _Gate(ONE, hits.append)
+    started = trio.current_time()
+
+    async def holder(*, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        async with gate.handshake_slot("a", started + 5) as refusal:
+            assert refusal is None
+            task_status.started()
+            await trio.sleep(3.9)
+        autojump_clock.jump(0.2)  # given back; the waiter runs only after this
+
+    async with trio.open_nursery() as nursery:
+        await nursery.start(holder)
+        async with gate.handshake_slot("b", started + 5) as refusal:
+            assert refusal == "late"
+            assert trio.current_time() - started == pytest.approx(4.1)
+    assert hits == []
+    assert _idle(gate)
+
+
 async def test_a_free_slot_is_taken_with_no_yield_between_the_two(
     autojump_clock: MockClock,
 ) -> None:
