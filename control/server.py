@@ -368,6 +368,7 @@ def _api_parts(
     reach.probe(db_url)  # one line, exit 1, within the connect timeout: not 30 s of retries
     store = open_store(db_url, max_size=12)
     store.migrate()
+    check_autovacuum(store)
     store.on_tx = metrics.observe_tx
     metrics.count_pending = functools.partial(_count_pending, store)
 
@@ -485,6 +486,33 @@ def _gateway_parts(
     parts.handlers["gateway"] = (gateway.handle, ssl_ctx)
     parts.listen_url = db_url
     return parts
+
+
+def check_autovacuum(store: Store) -> bool:
+    """Warn, once at start, when PostgreSQL's autovacuum is off (True when it is).
+
+    Every join and renewal updates rows that stay (its token's use count, its node's
+    row): without VACUUM their dead versions pile up, and without ANALYZE the planner
+    keeps the plans of an empty table (the revocation poll read every ``node_certs``
+    row by a sequential scan), so the database's CPU per call grows with the fleet. A
+    database that does not answer is let pass (the caller has just migrated it)."""
+    if store.dialect != "postgres":
+        return False
+    try:
+        with store.tx() as tx:
+            row = tx.one("SELECT current_setting('autovacuum') AS setting")
+    except StoreUnavailable:
+        return False
+    if row is None or row["setting"] == "on":
+        return False
+    log.warning(
+        "PostgreSQL's autovacuum is off: the rows each join and renewal updates are "
+        "never vacuumed nor the tables analyzed, so the database's CPU per call grows "
+        "with the fleet; set autovacuum = on (PostgreSQL's default), or run VACUUM "
+        "(ANALYZE) on this schema on a schedule (docs/fleet.md)",
+        extra={"event": "database.autovacuum_off"},
+    )
+    return True
 
 
 def _check_schema(store: Store) -> None:
