@@ -130,6 +130,7 @@ import httpx  # noqa: E402
 import psycopg  # noqa: E402
 import trio  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+from psycopg import sql  # noqa: E402
 
 from bcd import pki, wire  # noqa: E402
 from bcd.config import Config  # noqa: E402
@@ -179,6 +180,8 @@ the dials under way, whose redials made more garbage, until no session opened)."
 SAMPLE_S = 0.5
 FILE_LIMIT = 20_000
 GATEWAY_SESSIONS_MAX = 16_000  # control.server.LIMITS["gateway"].max_connections
+VACUUM_S = 30.0
+"""How often :class:`Vacuumer` vacuums and analyzes the run's schema (autovacuum off)."""
 TABLES_SHOWN = 4
 """The tables each phase's line names, by the rows sequential scans read."""
 PHASES = ("join", "sessions", "steady", "renewal", "revocation", "restart")
@@ -695,6 +698,56 @@ def rss_kb(pid: int) -> int:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1])
     return 0
+
+
+class Vacuumer:
+    """What autovacuum does, on a server whose autovacuum is off (this machine's is):
+    ``VACUUM (ANALYZE)`` of the run schema's tables every VACUUM_S, from one connection
+    of its own, whose backend's CPU is counted apart from the roles'
+    (``pg_vacuum_cpu_s``). Without it every token and node row a join updates leaves a
+    dead version behind and the planner keeps an empty table's plans, so PostgreSQL's
+    CPU per join grows with N (docs/fleet.md)."""
+
+    def __init__(self, schema: str) -> None:
+        self.schema = schema
+        self.runs = 0
+        self.cpu_s = 0.0
+        self._stop = threading.Event()
+        with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
+            row = conn.execute("SHOW autovacuum").fetchone()
+        self.enabled = row is not None and row[0] == "off"
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        if self.enabled:
+            print(f"PostgreSQL's autovacuum is off: VACUUM (ANALYZE) every {VACUUM_S:g} s",
+                  flush=True)  # fmt: skip
+            self._thread.start()
+
+    def _run(self) -> None:
+        with psycopg.connect(
+            PG_URL, autocommit=True, connect_timeout=5, application_name="fleet-vacuum"
+        ) as conn:
+            row = conn.execute("SELECT pg_backend_pid()").fetchone()
+            pid = int(row[0]) if row else 0
+            start = proc_cpu_or_none(pid) or 0.0
+            while not self._stop.wait(VACUUM_S):
+                tables = conn.execute(
+                    "SELECT tablename FROM pg_tables WHERE schemaname = %s", (self.schema,)
+                ).fetchall()
+                if not tables:
+                    continue
+                names = sql.SQL(", ").join(sql.Identifier(self.schema, t[0]) for t in tables)
+                try:
+                    conn.execute(sql.SQL("VACUUM (ANALYZE) {}").format(names))
+                except psycopg.Error as exc:  # a figure's help lost, not the run
+                    print(f"  (VACUUM failed: {exc})", flush=True)
+                    continue
+                self.runs += 1
+                self.cpu_s = (proc_cpu_or_none(pid) or start) - start
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self.enabled:
+            self._thread.join(60)
 
 
 def table_reads(schema: str) -> dict[str, tuple[int, int, int, int]]:
@@ -1737,6 +1790,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampler = Sampler(roles, workers)
                 profiler = Profiler(args.out, args.profile)
                 run = Run(roles, workers, sampler, profiler, instructions)
+                vacuumer = Vacuumer(roles.fleet.schema)
                 phases: dict[str, Phase] = {}
                 phases["join"] = phase_join(run, per_worker, jwk)
                 joined = len(phases["join"].detail["nodes"])
@@ -1753,6 +1807,7 @@ def main(argv: list[str] | None = None) -> int:
                 phases["restart"] = phase_restart(run, joined - revocations, 180 + joined / 100)
                 time.sleep(2.0)  # a tail after the last phase, for the plot
                 sampler.stop()
+                vacuumer.stop()
             finally:
                 for w in workers:
                     w.close()
@@ -1765,6 +1820,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
     instructions.clean()
     fig = figures(args, phases, sampler.samples, floors, n)
+    # None: the server's autovacuum did it, unmeasured
+    fig["pg_vacuum_runs"] = vacuumer.runs if vacuumer.enabled else None
+    fig["pg_vacuum_cpu_s"] = vacuumer.cpu_s if vacuumer.enabled else None
     print_figures(fig)
     print_extrapolation(fig)
     if args.profile:
