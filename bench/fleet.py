@@ -90,7 +90,9 @@ backends, over each phase; PostgreSQL transactions are ``pg_stat_database``'s
 phase names the run schema's tables its sequential scans read most, with the rows read
 and the index scans (``pg_stat_user_tables``, which each backend publishes up to about
 a second late, so a short phase may count a neighbour's; in the JSON under
-``phases``). The
+``phases``). On a server whose autovacuum is off (this machine's), the run does what
+it would: ``VACUUM (ANALYZE)`` of its schema every 30 s, that backend's CPU apart
+(``pg_vacuum_cpu_s``; None when autovacuum is on and does it). The
 figures go to ``DIR/fleet-N.json`` and the plot to ``DIR/fleet-N.png`` (``--out``,
 default ``bench/out``).
 """
@@ -1512,7 +1514,7 @@ FIGURE_KEYS = (
     "revocation_p99_ms", "revocation_gateway_pushed", "revocation_gateway_p50_ms",
     "revocation_gateway_p99_ms", "revocation_verified_p50_ms", "revocation_verified_p99_ms", "reconnect_time_s",
     "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s",
-    "cpu_total_by_role_s",
+    "cpu_total_by_role_s", "pg_vacuum_runs", "pg_vacuum_cpu_s",
 )  # fmt: skip
 
 
