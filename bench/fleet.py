@@ -5,7 +5,8 @@ Run from the repository root::
 
     .venv/bin/python bench/fleet.py --nodes N [--procs P] [--gateways G]
         [--concurrency C] [--ping-seconds S] [--steady-pings K] [--cert-ttl S]
-        [--revocations R] [--out DIR] [--profile] [--instructions]
+        [--revocations R] [--skip-renewal] [--no-vacuum] [--out DIR] [--profile]
+        [--instructions]
 
 It prints figures and judges nothing (every phase prints its error count, which should
 be 0); ``tests/test_fleet_sim.py`` runs it small and checks only that outcome.
@@ -710,14 +711,14 @@ class Vacuumer:
     dead version behind and the planner keeps an empty table's plans, so PostgreSQL's
     CPU per join grows with N (docs/fleet.md)."""
 
-    def __init__(self, schema: str) -> None:
+    def __init__(self, schema: str, *, wanted: bool = True) -> None:
         self.schema = schema
         self.runs = 0
         self.cpu_s = 0.0
         self._stop = threading.Event()
         with psycopg.connect(PG_URL, autocommit=True, connect_timeout=5) as conn:
             row = conn.execute("SHOW autovacuum").fetchone()
-        self.enabled = row is not None and row[0] == "off"
+        self.enabled = wanted and row is not None and row[0] == "off"
         self._thread = threading.Thread(target=self._run, daemon=True)
         if self.enabled:
             print(f"PostgreSQL's autovacuum is off: VACUUM (ANALYZE) every {VACUUM_S:g} s",
@@ -1699,6 +1700,12 @@ def main(argv: list[str] | None = None) -> int:
         help="no renewal wave (its figures None): the revocations and the gateway loss at "
         "an N whose renewal wave the simulator cannot drive in the time at hand",
     )
+    parser.add_argument(
+        "--no-vacuum",
+        action="store_true",
+        help="no VACUUM (ANALYZE) where the server's autovacuum is off: what a database "
+        "left without either costs",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument(
         "--quick-floor", action="store_true", help="time the crypto floor briefly (tests)"
@@ -1792,7 +1799,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampler = Sampler(roles, workers)
                 profiler = Profiler(args.out, args.profile)
                 run = Run(roles, workers, sampler, profiler, instructions)
-                vacuumer = Vacuumer(roles.fleet.schema)
+                vacuumer = Vacuumer(roles.fleet.schema, wanted=not args.no_vacuum)
                 phases: dict[str, Phase] = {}
                 phases["join"] = phase_join(run, per_worker, jwk)
                 joined = len(phases["join"].detail["nodes"])
