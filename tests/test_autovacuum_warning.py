@@ -19,6 +19,17 @@ from tests.conftest import PG_OK, PG_URL
 from tests.fleet import pg_schema, pg_schema_url
 
 
+def _checked(url: str, caplog: pytest.LogCaptureFixture) -> bool:
+    """What ``check_autovacuum`` says of a freshly migrated store at ``url``."""
+    store = open_store(url)
+    try:
+        store.migrate()
+        with caplog.at_level(logging.WARNING, logger="control.server"):
+            return check_autovacuum(store)
+    finally:
+        store.close()
+
+
 def _warnings(caplog: pytest.LogCaptureFixture) -> list[logging.LogRecord]:
     return [r for r in caplog.records if getattr(r, "event", "") == "database.autovacuum_off"]
 
@@ -31,13 +42,7 @@ def test_the_warning_follows_the_servers_setting(caplog: pytest.LogCaptureFixtur
     assert row is not None
     off = row[0] == "off"
     with pg_schema() as schema:
-        store = open_store(pg_schema_url(schema))
-        try:
-            store.migrate()
-            with caplog.at_level(logging.WARNING, logger="control.server"):
-                assert check_autovacuum(store) is off
-        finally:
-            store.close()
+        assert _checked(pg_schema_url(schema), caplog) is off
     warned = _warnings(caplog)
     assert len(warned) == (1 if off else 0)
     if off:
@@ -45,11 +50,5 @@ def test_the_warning_follows_the_servers_setting(caplog: pytest.LogCaptureFixtur
 
 
 def test_sqlite_is_not_warned_about(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    store = open_store(f"sqlite:///{tmp_path / 'cp.db'}")
-    try:
-        store.migrate()
-        with caplog.at_level(logging.WARNING, logger="control.server"):
-            assert check_autovacuum(store) is False
-    finally:
-        store.close()
+    assert _checked(f"sqlite:///{tmp_path / 'cp.db'}", caplog) is False
     assert _warnings(caplog) == []
