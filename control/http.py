@@ -76,8 +76,8 @@ time left, without a byte: a TCP health check, a port scan); ``no-slot`` (it que
 for a handshake slot that did not come in time, as the ``OnLimit`` hit says, in a
 drain too); ``late`` (its process reached it with under a fifth of that time left:
 the process runs behind, or its client's first bytes came at the last moment; in a
-drain too). A connection hung up by a drain before or
-after its wait for a slot is not told."""
+drain too). A connection hung up by a drain before or after its wait for a slot is
+not told."""
 _LIMIT_OF_STATUS = {413: "request-body", 431: "request-head"}
 
 
