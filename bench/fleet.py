@@ -1786,6 +1786,7 @@ def main(argv: list[str] | None = None) -> int:
             site = api.site_and_pool()[0]
             jwk = api.well_known()["join"]["encryptionJwk"]
             workers: list[Worker] = []
+            vacuumer: Vacuumer | None = None
             try:
                 for p, indexes in enumerate(split(n, args.procs)):
                     spec = {
@@ -1816,8 +1817,9 @@ def main(argv: list[str] | None = None) -> int:
                 phases["restart"] = phase_restart(run, joined - revocations, 180 + joined / 100)
                 time.sleep(2.0)  # a tail after the last phase, for the plot
                 sampler.stop()
-                vacuumer.stop()
             finally:
+                if vacuumer is not None:  # before the schema is dropped, however it ended
+                    vacuumer.stop()
                 for w in workers:
                     w.close()
                 for g, gw in enumerate(roles.fleet.gateways):
@@ -1830,6 +1832,7 @@ def main(argv: list[str] | None = None) -> int:
     instructions.clean()
     fig = figures(args, phases, sampler.samples, floors, n)
     # None: the server's autovacuum did it, unmeasured
+    assert vacuumer is not None  # the phases ran
     fig["pg_vacuum_runs"] = vacuumer.runs if vacuumer.enabled else None
     fig["pg_vacuum_cpu_s"] = vacuumer.cpu_s if vacuumer.enabled else None
     print_figures(fig)
