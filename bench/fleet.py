@@ -1297,8 +1297,8 @@ def phase_revocation(run: Run, nodes: dict[int, str], count: int, timeout: float
         "queued, p50 / p99 (their histogram's buckets): "
         + " / ".join("-" if v is None else f"{v * 1000:.0f} ms" for v in on_gateway)
         + "; the revoking call's start to the node's bcd having verified it, p50 / p99: "
-        + (f"{pct(to_verified, 0.5) * 1000:.0f} / {pct(to_verified, 0.99) * 1000:.0f} ms"
-           if to_verified else "-"),
+        + " / ".join(f"{v:.0f}" for v in (pct_ms(to_verified, 0.5), pct_ms(to_verified, 0.99))
+                     if v is not None) + " ms",
         flush=True,
     )  # fmt: skip
     phase.detail.update(
@@ -1395,7 +1395,6 @@ def figures(
     base = sessions.detail.get("rss_before_kb", {})
     rss_growth = sum(steady.detail["rss_kb"][k] - base.get(k, 0) for k in steady.detail["rss_kb"])
     lat = rev.detail["latency_s"]
-    verified = rev.detail["verified_s"]
     cpus = cpu_series(samples)
     in_restart = [
         sum(cpus[r][i][1] for r in ("api", "gateways", "postgres"))
@@ -1454,16 +1453,14 @@ def figures(
         * args.ping_seconds,
         **renewal_figures(renew, renewals, floors),
         "revocations": rev.detail["revoked"],
-        "revocation_p50_ms": pct(lat, 0.5) * 1000 if lat else None,
-        "revocation_p99_ms": pct(lat, 0.99) * 1000 if lat else None,
+        "revocation_p50_ms": pct_ms(lat, 0.5),
+        "revocation_p99_ms": pct_ms(lat, 0.99),
         "revocation_gateway_pushed": rev.detail["gateway_pushed"],
         "revocation_gateway_p50_ms": ms_or_none(rev.detail["gateway_p50_s"]),
         "revocation_gateway_p99_ms": ms_or_none(rev.detail["gateway_p99_s"]),
-        "revocation_verified_p50_ms": ms_or_none(pct(verified, 0.5) if verified else None),
-        "revocation_verified_p99_ms": ms_or_none(pct(verified, 0.99) if verified else None),
-        "revocation_from_return_p99_ms": (
-            pct(rev.detail["from_return_s"], 0.99) * 1000 if lat else None
-        ),
+        "revocation_verified_p50_ms": pct_ms(rev.detail["verified_s"], 0.5),
+        "revocation_verified_p99_ms": pct_ms(rev.detail["verified_s"], 0.99),
+        "revocation_from_return_p99_ms": pct_ms(rev.detail["from_return_s"], 0.99),
         "reconnect_nodes": restart.detail["held"],
         "reconnect_min_up": restart.detail["min_up"],
         "reconnect_time_s": restart.detail["time_to_all_s"],
@@ -1479,6 +1476,11 @@ def figures(
 
 def ms_or_none(seconds: float | None) -> float | None:
     return None if seconds is None else seconds * 1000
+
+
+def pct_ms(ordered: list[float], q: float) -> float | None:
+    """The q-quantile of sorted samples in seconds, in ms (None with no sample)."""
+    return pct(ordered, q) * 1000 if ordered else None
 
 
 def renewal_figures(renew: Phase | None, renewals: int, floors: dict[str, float]) -> dict[str, Any]:

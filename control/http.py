@@ -150,20 +150,34 @@ class Limits:
 
 
 @dataclass
+class _Tally:
+    """Closed connections of one kind, warned of at most once a minute."""
+
+    count: int = 0
+    warned_at: float = -1e9
+
+    def add(self) -> int | None:
+        """Count one; once a minute, the count to warn of (counting starts again)."""
+        self.count += 1
+        now = trio.current_time()
+        if now - self.warned_at < 60:
+            return None
+        count, self.count, self.warned_at = self.count, 0, now
+        return count
+
+
+@dataclass
 class _Gate:
     limits: Limits
     on_limit: OnLimit = _no_limit
     total: int = 0
     by_source: dict[str, int] = field(default_factory=dict)
-    refused: int = 0
-    warned_at: float = -1e9
+    refused: _Tally = field(default_factory=_Tally)
     handshakes: trio.CapacityLimiter = field(init=False)
     # per source with a handshake under way or waiting: its slots, and how many use them
     handshakes_of: dict[str, tuple[trio.CapacityLimiter, int]] = field(default_factory=dict)
-    no_slot: int = 0
-    no_slot_warned_at: float = -1e9
-    late: int = 0
-    late_warned_at: float = -1e9
+    no_slot: _Tally = field(default_factory=_Tally)
+    late: _Tally = field(default_factory=_Tally)
 
     def __post_init__(self) -> None:
         self.handshakes = trio.CapacityLimiter(self.limits.max_handshakes)
@@ -173,16 +187,13 @@ class _Gate:
         if self.total >= self.limits.max_connections or here >= self.limits.max_per_source:
             full = self.total >= self.limits.max_connections
             self.on_limit("connections" if full else "connections-per-source")
-            self.refused += 1
-            now = trio.current_time()
-            if now - self.warned_at >= 60:
+            if (refused := self.refused.add()) is not None:
                 logger.warning(
                     "connection limit: refused %d connections (at most %d, %d per source)",
-                    self.refused,
+                    refused,
                     self.limits.max_connections,
                     self.limits.max_per_source,
                 )
-                self.warned_at, self.refused = now, 0
             return False
         self.total += 1
         self.by_source[source] = here + 1
@@ -248,31 +259,25 @@ class _Gate:
 
     def _no_slot(self, limit: str) -> None:
         self.on_limit(limit)
-        self.no_slot += 1
-        now = trio.current_time()
-        if now - self.no_slot_warned_at >= 60:
+        if (closed := self.no_slot.add()) is not None:
             logger.warning(
                 "handshake limit: closed %d connections that found no TLS handshake slot in "
                 "time (at most %d handshakes at once, %d per source)",
-                self.no_slot,
+                closed,
                 self.limits.max_handshakes,
                 self.limits.max_handshakes_per_source,
             )
-            self.no_slot_warned_at, self.no_slot = now, 0
 
     def _behind(self) -> None:
-        self.late += 1
-        now = trio.current_time()
-        if now - self.late_warned_at >= 60:
+        if (closed := self.late.add()) is not None:
             logger.warning(
                 "running behind: closed %d connections reached with less than %.0f s of "
                 "their %.0f s for the TLS handshake left (the process is short of CPU, or "
                 "their clients sent their first bytes at the last moment)",
-                self.late,
+                closed,
                 HANDSHAKE_TIMEOUT * HANDSHAKE_LEFT_SHARE,
                 HANDSHAKE_TIMEOUT,
             )
-            self.late_warned_at, self.late = now, 0
 
 
 async def _take(held: contextlib.AsyncExitStack, limiter: trio.CapacityLimiter) -> None:

@@ -365,7 +365,7 @@ async def test_a_connection_without_a_slot_in_time_gives_up_with_a_fifth_left(
             assert refusal == "no-slot"
             assert trio.current_time() - started == pytest.approx(4.0)
         assert hits == [limit]
-        assert gate.no_slot == 0  # reset by its warning, the first of the minute
+        assert gate.no_slot.count == 0  # reset by its warning, the first of the minute
         release.set()
     assert _idle(gate)
 
