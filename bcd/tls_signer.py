@@ -37,7 +37,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.hazmat.primitives.asymmetric.utils import encode_dss_signature
 
 from bcd.errors import PeerVerificationError, TransportError
-from bcd.tls import os_reason, verify_server_chain
+from bcd.tls import os_reason, presented_leaf, verify_server_chain
 
 if TYPE_CHECKING:
     from bcd.gatewayanswer import Response
@@ -261,7 +261,7 @@ def _handshake(
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         certs = X509CertChain()
         try:
-            certs.parsePemList(chain_pem)
+            certs.parsePemList(presented_leaf(chain_pem))  # the leaf alone, as a file key
         except (SyntaxError, ValueError) as exc:
             raise TransportError("the node certificate chain does not load") from exc
         key = _CallbackKey(public_key, sign_digest_sync)

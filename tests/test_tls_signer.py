@@ -29,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_ds
 from bcd import pki
 from bcd.errors import PeerVerificationError, TransportError
 from bcd.gatewayclient import GatewayClient, Response
+from bcd.tls import anchor_of, connect_pinned, peer_chain_der
 from bcd.tls_signer import SignDigest, connect_with_signer, request_with_signer
 from bcd.transport import DialTransport
 from control import http
@@ -80,6 +81,13 @@ async def _handler(gateway: list[Gateway], req: http.Request) -> http.Response:
     return http.json_response(200, {"path": req.path, "body": req.body.decode()})
 
 
+def _node_chain(memory_pki: Pki, public_key: ec.EllipticCurvePublicKey, now: datetime) -> str:
+    """A node's chain as JoinService answers it: its leaf, the node CA, the root."""
+    spiffe = pki.SpiffeId("td.example", "site_" + "a" * 26, "node_" + "b" * 26)
+    leaf = issue_node_leaf(memory_pki, public_key, spiffe, "node", (), now, 3600)
+    return pki.cert_pem(leaf) + memory_pki.chain_tail_pem()
+
+
 async def _gateway(nursery: trio.Nursery, memory_pki: Pki, *, tls12_only: bool = False) -> Gateway:
     now = datetime.now(UTC)
     gw_key = pki.generate_key()
@@ -98,12 +106,11 @@ async def _gateway(nursery: trio.Nursery, memory_pki: Pki, *, tls12_only: bool =
         )
     )
 
-    def node_chain(public_key: ec.EllipticCurvePublicKey) -> str:
-        spiffe = pki.SpiffeId("td.example", "site_" + "a" * 26, "node_" + "b" * 26)
-        leaf = issue_node_leaf(memory_pki, public_key, spiffe, "node", (), now, 3600)
-        return pki.cert_pem(leaf) + memory_pki.chain_tail_pem()
-
-    gateway = Gateway(port, memory_pki.pins()["serving_ca_spki_pin"], node_chain)
+    gateway = Gateway(
+        port,
+        memory_pki.pins()["serving_ca_spki_pin"],
+        functools.partial(_node_chain, memory_pki, now=now),
+    )
     holder.append(gateway)
     return gateway
 
@@ -286,6 +293,64 @@ async def test_unreachable_gateway(memory_pki: Pki) -> None:
             signer.key.public_key(),
             signer,
         )
+
+
+# --- what a node presents: its leaf alone -------------------------------------------------
+
+
+async def test_a_node_presents_its_leaf_alone_and_the_gateway_verifies_it(
+    nursery: trio.Nursery, memory_pki: Pki
+) -> None:
+    """A node's chain file holds its leaf, the node CA and the root; over mutual TLS it
+    sends the leaf alone, with a file key (OpenSSL) and with a key that signs through a
+    callback (tlslite-ng), and the gateway's own context (the node CA and root as its
+    anchors, RFC 5280 strict) verifies it: the CAs sent cost the gateway CPU and
+    memory per connection and verified nothing it does not hold."""
+    now = datetime.now(UTC)
+    gw_key = pki.generate_key()
+    gw_cert = make_gateway_cert(memory_pki, gw_key.public_key(), NAME, now)
+    ctx = server_ssl_context(
+        pki.cert_pem(gw_cert) + pki.cert_pem(memory_pki.serving_ca),
+        gw_key,
+        client_ca_pem=memory_pki.chain_tail_pem(),
+        client_time_in_app=True,
+    )
+    received: list[list[bytes]] = []
+
+    async def raw(tcp: trio.SocketStream) -> None:
+        tls = trio.SSLStream(tcp, ctx, server_side=True)
+        try:
+            await tls.do_handshake()  # a chain that does not verify fails here
+            received.append(peer_chain_der(tls))
+            await tls.send_all(b"ok")
+        except trio.BrokenResourceError:
+            pass
+        finally:
+            await trio.aclose_forcefully(tls)
+
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, raw, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    pin = memory_pki.pins()["serving_ca_spki_pin"]
+    file_key = pki.generate_key()
+    file_chain = _node_chain(memory_pki, file_key.public_key(), now)
+    key_pem = file_key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    assert len(pki.load_pem_chain(file_chain)) == 3
+    anchor = anchor_of(pki.cert_pem(memory_pki.serving_ca), pin)
+    stream = await connect_pinned(
+        "127.0.0.1", port, NAME, anchor, client_cert=(file_chain, key_pem)
+    )
+    async with stream:
+        assert await stream.receive_some(2) == b"ok"
+    signer = Signer()
+    signed_chain = _node_chain(memory_pki, signer.key.public_key(), now)
+    stream = await connect_with_signer(
+        "127.0.0.1", port, NAME, pin, signed_chain, signer.key.public_key(), signer
+    )
+    async with stream:
+        assert await stream.receive_some(2) == b"ok"
+    assert received == [[_leaf_der(file_chain)], [_leaf_der(signed_chain)]]
 
 
 # --- the node key in swtpm, through bcd helper ------------------------------------------
