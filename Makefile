@@ -69,6 +69,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/renew.py
 	$(BIN)/python bench/tpm.py
 	$(BIN)/python bench/replicas.py
+	$(BIN)/python bench/leafonly.py
 	$(BIN)/python bench/cli_start.py
 	$(BIN)/python bench/fleet.py --nodes 1000 --procs 2 --gateways 2
 

@@ -88,15 +88,24 @@ def _node_chain(memory_pki: Pki, public_key: ec.EllipticCurvePublicKey, now: dat
     return pki.cert_pem(leaf) + memory_pki.chain_tail_pem()
 
 
-async def _gateway(nursery: trio.Nursery, memory_pki: Pki, *, tls12_only: bool = False) -> Gateway:
-    now = datetime.now(UTC)
+def _gateway_context(
+    memory_pki: Pki, now: datetime, *, client_time_in_app: bool = False
+) -> ssl.SSLContext:
+    """The gateway's server context: its leaf and the serving CA, the node CA and root
+    as the client CAs."""
     gw_key = pki.generate_key()
     gw_cert = make_gateway_cert(memory_pki, gw_key.public_key(), NAME, now)
-    ctx = server_ssl_context(
+    return server_ssl_context(
         pki.cert_pem(gw_cert) + pki.cert_pem(memory_pki.serving_ca),
         gw_key,
         client_ca_pem=memory_pki.chain_tail_pem(),
+        client_time_in_app=client_time_in_app,
     )
+
+
+async def _gateway(nursery: trio.Nursery, memory_pki: Pki, *, tls12_only: bool = False) -> Gateway:
+    now = datetime.now(UTC)
+    ctx = _gateway_context(memory_pki, now)
     if tls12_only:
         ctx.maximum_version = ssl.TLSVersion.TLSv1_2
     holder: list[Gateway] = []
@@ -307,14 +316,7 @@ async def test_a_node_presents_its_leaf_alone_and_the_gateway_verifies_it(
     anchors, RFC 5280 strict) verifies it: the CAs sent cost the gateway CPU and
     memory per connection and verified nothing it does not hold."""
     now = datetime.now(UTC)
-    gw_key = pki.generate_key()
-    gw_cert = make_gateway_cert(memory_pki, gw_key.public_key(), NAME, now)
-    ctx = server_ssl_context(
-        pki.cert_pem(gw_cert) + pki.cert_pem(memory_pki.serving_ca),
-        gw_key,
-        client_ca_pem=memory_pki.chain_tail_pem(),
-        client_time_in_app=True,
-    )
+    ctx = _gateway_context(memory_pki, now, client_time_in_app=True)  # as serve builds it
     received: list[list[bytes]] = []
 
     async def raw(tcp: trio.SocketStream) -> None:
