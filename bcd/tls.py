@@ -253,9 +253,10 @@ def presented_leaf(chain_pem: str) -> str:
     """The first certificate of ``chain_pem`` (leaf first): what a node presents over
     mutual TLS. Every listener a node dials holds the node CA and its root as trust
     anchors (the gateway's ``client_ca_pem``), so the CAs a node's chain carries after
-    its leaf are never needed to verify it; sent, they cost the listener about 0.5 ms
-    of CPU per handshake and 10.7 KB of OpenSSL state per connection, parsed and kept
-    for the connection's life (``bench/leafonly.py``). A text with no end marker is
+    its leaf are never needed to verify it (a gateway bundle without the node CA is
+    refused at load: ``control.gatewaypki.load_bundle``); sent, they cost the listener
+    0.4-0.5 ms of CPU per handshake and 10.9 KB of OpenSSL state per connection, parsed
+    and kept for the connection's life (``bench/leafonly.py``). A text with no end marker is
     returned as it is, to fail to load as it did."""
     end = chain_pem.find(_PEM_END)
     return chain_pem if end < 0 else chain_pem[: end + len(_PEM_END)] + "\n"

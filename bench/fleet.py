@@ -1489,10 +1489,12 @@ def renewal_figures(
     """The renewal wave's figures; each None when the run skipped it (``--skip-renewal``).
 
     The wave runs with every session held, as a fleet's does, so its control-plane CPU
-    includes holding them (the gateways' pings, the API's sightings, the polls):
-    ``renewal_cpu_held_ms`` is that share, at the steady phase's rate over the wave's
-    time, per renewal, and ``renewal_cpu_net_ms`` and ``renewal_floor_ratio_net`` are
-    the renewals' own, without it."""
+    includes holding them (the gateways' pings, the API's sightings, the polls, and
+    the bench's own scrapes of the metrics): ``renewal_cpu_held_ms`` is that share, at
+    the steady phase's whole control-plane rate over the wave's time, per renewal, and
+    ``renewal_cpu_net_ms`` and ``renewal_floor_ratio_net`` are what is left, the
+    renewals' own. Work still trailing the sessions' opening when the steady phase
+    began would make the held share too large; a small run can leave a net below 0."""
     if renew is None:
         return dict.fromkeys(RENEWAL_KEYS)
     cpu_ms = renew.control_cpu_s() / renewals * 1000
@@ -1525,7 +1527,7 @@ FIGURE_KEYS = (
     "join_pg_cpu_ms", "gateway_rss_kb_per_session", "gateway_cpu_us_per_session_s",
     "gateway_cpu_us_per_ping", "node_cpu_ms_per_join", "node_cpu_ms_per_session_open",
     "node_cpu_us_per_ping", "node_cpu_ms_per_renewal", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
-    "renewal_cpu_net_ms", "renewal_floor_ratio_net", "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
+    "renewal_cpu_held_ms", "renewal_cpu_net_ms", "renewal_floor_ratio_net", "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
     "revocation_p99_ms", "revocation_gateway_pushed", "revocation_gateway_p50_ms",
     "revocation_gateway_p99_ms", "revocation_verified_p50_ms", "revocation_verified_p99_ms", "reconnect_time_s",
     "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s",
@@ -1648,7 +1650,8 @@ def print_extrapolation(fig: dict[str, Any], target: int = 100_000) -> None:
     at_15s = fig["gateway_cpu_us_per_ping"] / 15 * target / 1e6
     rss_gb = fig["gateway_rss_kb_per_session"] * target / 1e6
     join_cpu_s = fig["join_cpu_ms"] * target / 1000
-    renew_cpu_s = (fig["renewal_cpu_net_ms"] or math.nan) * target / 1000
+    net_ms = fig["renewal_cpu_net_ms"]
+    renew_cpu_s = (math.nan if net_ms is None else net_ms) * target / 1000
     print(f"\nExtrapolated to {target:,} nodes (the per-unit costs above, linearly):")
     print(f"  gateways: at least {gws} (≤ {GATEWAY_SESSIONS_MAX:,} sessions each, the "
           f"listener's limit, under the {FILE_LIMIT:,}-file limit); simulator processes: "

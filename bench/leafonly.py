@@ -102,7 +102,7 @@ def _handshake(
             break
     start = time.process_time()
     with contextlib.suppress(ssl.SSLWantReadError):
-        gateway.read(1)  # the client's last flight is read here in TLS 1.3
+        gateway.read(1)  # nothing is left to read: the server's handshake took it all
     spent[1] += time.process_time() - start
     if gateway.getpeercert(binary_form=True) is None:
         raise RuntimeError("the gateway saw no client certificate")

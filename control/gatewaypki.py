@@ -198,6 +198,23 @@ def _leaf(directory: Path, name: str) -> tuple[str, x509.Certificate]:
         raise PkiSetupError(f"{name} in {directory} does not parse") from None
 
 
+def _node_cas(directory: Path) -> str:
+    """node-ca.crt's text, once it is seen to hold the node CA and the root that issued
+    it: nodes present their leaf alone (``bcd.tls.presented_leaf``), so a gateway
+    without the node CA would refuse every one of them at the handshake."""
+    data = _read(directory, "node-ca.crt")
+    problem = f"node-ca.crt in {directory} must hold the node CA and the node root CA"
+    try:
+        certs = x509.load_pem_x509_certificates(data)
+        text = data.decode("ascii")
+    except (ValueError, UnicodeDecodeError):
+        raise PkiSetupError(f"node-ca.crt in {directory} does not parse") from None
+    roots = {c.subject for c in certs if c.subject == c.issuer}
+    if not any(c.subject != c.issuer and c.issuer in roots for c in certs):
+        raise PkiSetupError(f"{problem} that issued it (nodes present their leaf alone)")
+    return text
+
+
 def load_bundle(directory: Path) -> GatewayBundle:
     """Load and check a bundle :func:`issue_bundle` wrote; :class:`PkiSetupError` if unusable."""
     try:
@@ -217,7 +234,7 @@ def load_bundle(directory: Path) -> GatewayBundle:
         san=san,
         serving_chain_pem=serving_chain,
         relay_chain_pem=relay_chain,
-        node_ca_pem=_read(directory, "node-ca.crt").decode("ascii"),
+        node_ca_pem=_node_cas(directory),
         serving_ca_pem=_read(directory, "serving-ca.crt").decode("ascii"),
         serving_key=serving_key,
         relay_key=relay_key,

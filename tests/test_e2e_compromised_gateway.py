@@ -27,7 +27,7 @@ from bcd import pki as bcd_pki
 from bcd import wire
 from control import gatewaypki, relay
 from control.http import Request, Response, error_response, serve
-from control.pki import load_pki, server_ssl_context
+from control.pki import PkiSetupError, load_pki, server_ssl_context
 from control.store import open_store
 from tests.world import (
     BIN,
@@ -72,6 +72,15 @@ def test_the_gateway_bundle_holds_only_its_own_two_keys(tmp_path: Path, pki_temp
         text = path.read_bytes()
         assert b"ENCRYPTED PRIVATE KEY" not in text
         assert SECRET.encode() not in text
+    # a node-ca.crt without the node CA is refused at load: nodes present their leaf
+    # alone, so such a gateway would refuse every one of them
+    node_cas = (out / "node-ca.crt").read_bytes()
+    for only in (bcd_pki.cert_pem(loaded.node_root_ca), bcd_pki.cert_pem(loaded.node_ca)):
+        (out / "node-ca.crt").write_text(only)
+        with pytest.raises(PkiSetupError, match="must hold the node CA and the node root CA"):
+            gatewaypki.load_bundle(out)
+    (out / "node-ca.crt").write_bytes(node_cas)
+    assert gatewaypki.load_bundle(out).node_ca_pem == node_cas.decode("ascii")
     # a key readable by another user is refused at load
     (out / "relay.key").chmod(0o640)
     with pytest.raises(Exception, match="can be read by other users"):

@@ -53,7 +53,7 @@ def _phase(name: str, wall_s: float, procs: dict[str, float], pg: float) -> Phas
 
 
 def test_a_renewal_s_own_cpu_leaves_out_holding_the_sessions() -> None:
-    """The wave runs with every session held: at the steady phase's rate (1 core over
+    """The wave runs with every session held: at the steady phase's rate (1 CPU-s over
     10 s: 0.1 CPU-s a second), 20 s of wave spend 2 CPU-s holding them, so of 10 CPU-s
     over 1,000 renewals 8 ms each are the renewals' own."""
     steady = _phase("steady", 10.0, {"api": 0.4, "gw1": 0.5}, pg=0.1)

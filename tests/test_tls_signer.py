@@ -18,6 +18,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
@@ -318,12 +319,16 @@ async def test_a_node_presents_its_leaf_alone_and_the_gateway_verifies_it(
     now = datetime.now(UTC)
     ctx = _gateway_context(memory_pki, now, client_time_in_app=True)  # as serve builds it
     received: list[list[bytes]] = []
+    built: list[int] = []  # the chain the gateway built from its own anchors
 
     async def raw(tcp: trio.SocketStream) -> None:
         tls = trio.SSLStream(tcp, ctx, server_side=True)
         try:
             await tls.do_handshake()  # a chain that does not verify fails here
             received.append(peer_chain_der(tls))
+            ssl_object: Any = tls._ssl_object  # 3.13: public; 3.11: on _sslobj
+            verified = getattr(ssl_object, "get_verified_chain", None)
+            built.append(len((verified or ssl_object._sslobj.get_verified_chain)()))
             await tls.send_all(b"ok")
         except trio.BrokenResourceError:
             pass
@@ -353,6 +358,7 @@ async def test_a_node_presents_its_leaf_alone_and_the_gateway_verifies_it(
     async with stream:
         assert await stream.receive_some(2) == b"ok"
     assert received == [[_leaf_der(file_chain)], [_leaf_der(signed_chain)]]
+    assert built == [3, 3]  # leaf, node CA, root: the CAs came from the gateway's anchors
 
 
 # --- the node key in swtpm, through bcd helper ------------------------------------------
