@@ -203,7 +203,6 @@ def _node_cas(directory: Path) -> str:
     it: nodes present their leaf alone (``bcd.tls.presented_leaf``), so a gateway
     without the node CA would refuse every one of them at the handshake."""
     data = _read(directory, "node-ca.crt")
-    problem = f"node-ca.crt in {directory} must hold the node CA and the node root CA"
     try:
         certs = x509.load_pem_x509_certificates(data)
         text = data.decode("ascii")
@@ -211,7 +210,10 @@ def _node_cas(directory: Path) -> str:
         raise PkiSetupError(f"node-ca.crt in {directory} does not parse") from None
     roots = {c.subject for c in certs if c.subject == c.issuer}
     if not any(c.subject != c.issuer and c.issuer in roots for c in certs):
-        raise PkiSetupError(f"{problem} that issued it (nodes present their leaf alone)")
+        raise PkiSetupError(
+            f"node-ca.crt in {directory} must hold the node CA and the node root CA that "
+            "issued it (nodes present their leaf alone)"
+        )
     return text
 
 

@@ -15,7 +15,14 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.fleet import RENEWAL_KEYS, Phase, bucket_quantile, counter_deltas, renewal_figures
+from bench.fleet import (
+    RENEWAL_KEYS,
+    Phase,
+    bucket_quantile,
+    counter_deltas,
+    cpu_series,
+    renewal_figures,
+)
 from bench.replicas import Spent
 
 
@@ -67,3 +74,15 @@ def test_a_renewal_s_own_cpu_leaves_out_holding_the_sessions() -> None:
     assert fig["renewal_floor_ratio_net"] == pytest.approx(16.0)
     assert set(fig) == set(RENEWAL_KEYS)
     assert renewal_figures(None, 0, {"renewal": 0.5}, steady) == dict.fromkeys(RENEWAL_KEYS)
+
+
+def test_the_processes_cpu_is_a_rate_over_their_own_reads() -> None:
+    """The processes were read 2 s apart, PostgreSQL's backends (slow to read on a
+    saturated machine) stamped 0.5 s apart: the processes' cores are over 2 s."""
+    a = {"t": 10.0, "t_procs": 9.0, "cpu": {"api": 1.0, "gw1": 5.0}, "pg": 3.0, "simulators": 2.0}
+    b = {"t": 10.5, "t_procs": 11.0, "cpu": {"api": 2.0, "gw1": 7.0}, "pg": 3.5, "simulators": 3.0}
+    cores = cpu_series([a, b])
+    assert cores["api"] == [(10.5, pytest.approx(0.5))]
+    assert cores["gateways"] == [(10.5, pytest.approx(1.0))]
+    assert cores["simulators"] == [(10.5, pytest.approx(0.5))]
+    assert cores["postgres"] == [(10.5, pytest.approx(1.0))]
