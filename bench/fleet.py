@@ -1303,8 +1303,8 @@ def phase_revocation(run: Run, nodes: dict[int, str], count: int, timeout: float
         "queued, p50 / p99 (their histogram's buckets): "
         + " / ".join("-" if v is None else f"{v * 1000:.0f} ms" for v in on_gateway)
         + "; the revoking call's start to the node's bcd having verified it, p50 / p99: "
-        + " / ".join(f"{v:.0f}" for v in (pct_ms(to_verified, 0.5), pct_ms(to_verified, 0.99))
-                     if v is not None) + " ms",
+        + " / ".join("-" if v is None else f"{v:.0f} ms"
+                     for v in (pct_ms(to_verified, 0.5), pct_ms(to_verified, 0.99))),
         flush=True,
     )  # fmt: skip
     phase.detail.update(

@@ -36,6 +36,7 @@ from cryptography.hazmat.primitives import serialization
 
 from bcd import pki
 from bcd.tls import anchor_of, pinned_context
+from control.pki import build_pki
 from control.pkicerts import Pki, issue_node_leaf, make_gateway_cert
 from control.pkitls import server_ssl_context
 
@@ -46,8 +47,6 @@ def _contexts(leaf_only: bool) -> tuple[ssl.SSLContext, ssl.SSLContext]:
     """The gateway's server context and a node's client context: ``pinned_context``
     given the node's chain (it loads the leaf alone), or with the three certificates
     loaded, as it loaded them before."""
-    from control.pki import build_pki
-
     now = datetime.now(UTC)
     ca: Pki = build_pki("bench.test", now)
     gw_key = pki.generate_key()
