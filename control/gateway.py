@@ -163,22 +163,13 @@ class NodeCalls:
         der = client_certificate(req)
 
         def renew() -> str:
-            """One worker-thread hop: the client certificate's liveness and the node's
-            rate in one transaction, then RenewService's own (was three hops and three
-            transactions)."""
-            with self.store.tx() as tx:
-                peer, details = renewal.live_peer_or_details(tx, der)
-                pushback = None if peer is None else renewal.check_renew_rate(tx, peer.node_id)
-            if peer is None:
-                raise not_live(details)
-            if pushback is not None:
-                self.metrics.renewal("rate-limited")
-                raise ControlError(
-                    "RESOURCE_EXHAUSTED",
-                    "at most 6 renewals per node and hour",
-                    retry_after_ms=pushback,
-                )
-            return self.renewservice.renew(req.body, der)
+            """One worker-thread hop and one transaction: the client certificate's
+            liveness, the node's rate, then RenewService's own checks (was two
+            transactions, and before that three hops and three)."""
+            try:
+                return self.renewservice.renew_live(req.body, der)
+            except renewal.NotLive as dead:
+                raise not_live(dead.details) from None
 
         signed = await trio.to_thread.run_sync(renew, limiter=self.limiter)
         return Response(200, signed.encode("ascii"), [("content-type", "application/jose")])

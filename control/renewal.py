@@ -26,6 +26,14 @@ every refusal is the same ``ACCESS_DENIED`` / ``Renew refused`` to the caller):
 The signature checks and parsing happen before the transaction (pure CPU over the
 request); their verdicts are used only once the presented leaf proved to be the
 stored one, so the row lock on the node is held briefly.
+
+The gateway's ``POST /v1/renew`` (:meth:`RenewService.renew_live`) puts the
+caller's checks in the same transaction, before all of these: the client
+certificate is live (UNAUTHENTICATED), then the caller's node is locked and its rate
+checked (RESOURCE_EXHAUSTED), then the body parses (INVALID_ARGUMENT). The presented
+leaf is most often the client certificate, so its row and its node's lock serve
+steps 1, 2 and 7 too: 10 statements in one transaction, where the checks in a
+transaction of their own made 13 in two.
 """
 
 from __future__ import annotations
@@ -113,19 +121,42 @@ class RenewService:
         a node over its renewal budget gets ``RESOURCE_EXHAUSTED`` with
         ``retry_after_ms``; a malformed body ``INVALID_ARGUMENT``.
         """
+        return self._judge(body, peer_cert_der, caller=False)
+
+    def renew_live(self, body: bytes, peer_cert_der: bytes) -> str:
+        """The gateway's ``POST /v1/renew``: :meth:`renew` behind the caller's checks,
+        all in one transaction, in the seed's order. First the client certificate must
+        be live (else :class:`NotLive`, whose details the UNAUTHENTICATED answer
+        carries), then its node is locked and its rate checked under the lock
+        (``RESOURCE_EXHAUSTED``), then the body must parse (``INVALID_ARGUMENT``), then
+        Renew's own checks. The request's signatures are checked before the
+        transaction, as :meth:`renew` does, and their verdicts used only after those
+        answers, so no answer or its order depends on them.
+        """
+        return self._judge(body, peer_cert_der, caller=True)
+
+    def _judge(self, body: bytes, peer_cert_der: bytes | None, *, caller: bool) -> str:
         crypto = self.crypto
         if crypto is None:
             raise ControlError("INVALID_CONFIG", "JoinService has no pki.join configuration")
+        malformed: ControlError | None = None
+        attempt: _Attempt | None = None
         try:
-            request = wire.parse_renew_request(wire.loads_object(body))
+            attempt = _prepare(wire.parse_renew_request(wire.loads_object(body)), peer_cert_der)
         except wire.WireError as exc:
-            self.metrics.renewal("error")
-            raise invalid(f"malformed renew request: {exc}") from exc
-        attempt = _prepare(request, peer_cert_der)
+            malformed = invalid(f"malformed renew request: {exc}")
+            if not caller:  # the gateway's answers to the caller come first
+                self.metrics.renewal("error")
+                raise malformed from exc
         try:
             with self.store.tx() as tx:
-                answer = self._renew(tx, attempt, crypto)
+                held = _check_caller(tx, peer_cert_der, attempt) if caller else None
+                if attempt is None:
+                    assert malformed is not None
+                    raise malformed
+                answer = self._renew(tx, attempt, crypto, held)
         except RenewRefused as refusal:
+            assert attempt is not None  # only Renew's own checks refuse
             self.metrics.renewal("refused", refusal.reason)
             self._record_refusal(attempt, refusal)
             raise
@@ -138,10 +169,16 @@ class RenewService:
         self.metrics.renewal("renewed")
         return answer
 
-    def _renew(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto) -> str:
+    def _renew(self, tx: Tx, attempt: _Attempt, crypto: JoinCrypto, held: _Held | None) -> str:
         request, info = attempt.request, attempt.leaf
         now_ms = tx.now_ms()
-        found = None if info is None else repos.cert_row(tx, attempt.leaf_der, info.serial_hex)
+        # The presented leaf is most often the client certificate itself, whose row
+        # the caller's check read in this transaction (a row's DER never changes).
+        same = attempt.peer_der is not None and attempt.peer_der == attempt.leaf_der
+        if held is not None and same:
+            found: Row | None = held.row
+        else:
+            found = None if info is None else repos.cert_row(tx, attempt.leaf_der, info.serial_hex)
         if found is None or info is None:
             raise RenewRefused("leaf-unknown")
         node_id, serial = str(found["node_id"]), str(found["serial"])
@@ -151,13 +188,19 @@ class RenewService:
 
         # Lock the node, then read its certificates again: a revocation, reclaim or
         # deletion (which lock the node first) is either wholly before or after us.
-        node = repos.lock_node(tx, node_id, statements=False)  # the leaf's, never the node's
+        # The caller's node is locked already, its rate checked under the lock. A leaf
+        # of another node than the caller's is refused (identity-mismatch, below):
+        # its node is read without a lock, so no two nodes are ever locked at once.
+        locked = held is not None and held.node.node_id == node_id
+        if held is None:
+            node = repos.lock_node(tx, node_id, statements=False)  # the leaf's, never the node's
+        elif locked:
+            node = held.node
+        else:
+            node = repos.read_node(tx, node_id, statements=False)
         leaf_row = repos.cert_by_serial(tx, serial)
         leaf = repos.cert_facts(leaf_row)
         assert leaf is not None  # node_certs rows are never deleted
-        # The TLS client certificate is most often the presented leaf itself: its row
-        # is the one just read (a row's DER never changes), not a lookup again.
-        same = attempt.peer_der is not None and attempt.peer_der == attempt.leaf_der
         peer = repos.cert_facts(leaf_row if same else repos.cert_row(tx, attempt.peer_der))
         refusal = admission.judge_renew_leaf(leaf, node, peer, request.client_time_ms, now_ms)
         if refusal is not None:
@@ -179,13 +222,8 @@ class RenewService:
             )
         except AttestationRefused as exc:
             raise refuse(admission.Refusal(exc.reason, tenant)) from None
-        pushback = check_renew_rate(tx, node_id)
-        if pushback is not None:
-            raise ControlError(
-                "RESOURCE_EXHAUSTED",
-                "at most 6 renewals per node and hour",
-                retry_after_ms=pushback,
-            )
+        if not locked:
+            _within_rate(tx, node_id)
         # Role, allowed kinds and statements come from the stored leaf and its row
         # (the presented leaf is byte for byte that leaf), never from the CSR; the
         # lifetime keeps the cap the node's admitting attestor set.
@@ -273,6 +311,51 @@ def _prepare(request: wire.RenewRequest, peer_cert_der: bytes | None) -> _Attemp
     )
 
 
+class NotLive(Exception):
+    """The client certificate of a gateway's renewal is not live: ``details`` are the
+    UNAUTHENTICATED answer's fields beside code and message
+    (:func:`live_peer_or_details`)."""
+
+    def __init__(self, details: dict[str, str]) -> None:
+        super().__init__(details.get("reason", ""))
+        self.details = details
+
+
+@dataclass(frozen=True)
+class _Held:
+    """The caller of a gateway's renewal: its client certificate's row (read before the
+    lock) and its node, locked in this transaction, its rate checked under the lock."""
+
+    row: Row
+    node: admission.NodeFacts
+
+
+def _check_caller(tx: Tx, peer_cert_der: bytes | None, attempt: _Attempt | None) -> _Held:
+    """:meth:`RenewService.renew_live`'s first checks: the client certificate is live
+    (:class:`NotLive`), then the node's rate, under the node's lock."""
+    leaf = None if attempt is None else attempt.leaf
+    # The client certificate is most often the presented leaf, parsed already.
+    known = leaf is not None and attempt is not None and attempt.leaf_der == peer_cert_der
+    row = repos.cert_row(tx, peer_cert_der, leaf.serial_hex if known and leaf else None)
+    details = _dead_cert(row, tx.now_ms())
+    if details is not None:
+        raise NotLive(details)
+    assert row is not None  # _dead_cert answers a missing row
+    node = repos.lock_node(tx, str(row["node_id"]), statements=False)
+    if node is None or node.retired:
+        raise NotLive({"reason": "node-retired"})
+    _within_rate(tx, node.node_id)
+    return _Held(row, node)
+
+
+def _within_rate(tx: Tx, node_id: str) -> None:
+    pushback = check_renew_rate(tx, node_id)
+    if pushback is not None:
+        raise ControlError(
+            "RESOURCE_EXHAUSTED", "at most 6 renewals per node and hour", retry_after_ms=pushback
+        )
+
+
 # --- for the gateway --------------------------------------------------------------------
 
 
@@ -320,18 +403,28 @@ def live_peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[LivePeer | None,
     send any, so the node stops only on the signed notice (:mod:`bcd.revocation`).
     """
     row = repos.cert_row(tx, peer_cert_der)
-    if row is None:
-        return None, {"reason": UNKNOWN_CERTIFICATE}
-    if row["revoked_at"] is not None:
-        notice = row.get("revoke_notice")
-        return None, {"reason": "revoked", **({"notice": str(notice)} if notice else {})}
     now_ms = tx.now_ms()
-    if not int(row["not_before"]) <= now_ms <= int(row["not_after"]):
-        return None, {"reason": "expired"}
+    details = _dead_cert(row, now_ms)
+    if details is not None:
+        return None, details
+    assert row is not None  # _dead_cert answers a missing row
     node = tx.one("SELECT retired_at FROM nodes WHERE id = ?", (row["node_id"],))
     if node is None or node["retired_at"] is not None:
         return None, {"reason": "node-retired"}
     return LivePeer(str(row["node_id"]), str(row["serial"]), int(row["not_after"]) - now_ms), {}
+
+
+def _dead_cert(row: Row | None, now_ms: int) -> dict[str, str] | None:
+    """Why a client certificate's row is not live (the UNAUTHENTICATED answer's fields),
+    or None; its node is not looked at here."""
+    if row is None:
+        return {"reason": UNKNOWN_CERTIFICATE}
+    if row["revoked_at"] is not None:
+        notice = row.get("revoke_notice")
+        return {"reason": "revoked", **({"notice": str(notice)} if notice else {})}
+    if not int(row["not_before"]) <= now_ms <= int(row["not_after"]):
+        return {"reason": "expired"}
+    return None
 
 
 def revoked_since(tx: Tx, since_ms: int) -> list[Row]:

@@ -99,6 +99,11 @@ def lock_node(tx: Tx, node_id: str, *, statements: bool = True) -> NodeFacts | N
     return _node_facts(tx, row, statements)
 
 
+def read_node(tx: Tx, node_id: str, *, statements: bool = True) -> NodeFacts | None:
+    """The node, its row not locked: for a judgement that writes nothing of it."""
+    return _node_facts(tx, tx.one("SELECT * FROM nodes WHERE id = ?", (node_id,)), statements)
+
+
 def lock_node_by_hardware(tx: Tx, hardware_key: str, tenant_id: str) -> NodeFacts | None:
     """The tenant's node with this trusted hardware key, its row locked."""
     row = tx.one(

@@ -1,7 +1,9 @@
 """A renewal through :class:`control.gateway.NodeCalls`, the API side of ``POST
-/v1/renew``: the client certificate's liveness and the node's rate are judged in
-one transaction before RenewService's own, all in one worker-thread hop, and in the
-seed's order (UNAUTHENTICATED, then RESOURCE_EXHAUSTED, then the renewal)."""
+/v1/renew``: the client certificate's liveness, the node's rate and RenewService's
+own checks are judged in one transaction, in one worker-thread hop, and in the seed's
+order (UNAUTHENTICATED, then RESOURCE_EXHAUSTED, then the body, then the renewal).
+A request turned away before Renew's own checks leaves everything as it was: no
+proof spent, no refusal event."""
 
 from __future__ import annotations
 
@@ -14,27 +16,14 @@ from bcd import wire
 from control.gateway import NodeCalls
 from control.http import Request
 from control.metrics import Metrics
-from control.renewal import RENEWALS_PER_HOUR
+from control.renewal import RENEWALS_PER_HOUR, RenewService
 from tests.world.renewals import Env, NodeId
 
 
-class Counting:
-    """RenewService with its calls counted."""
-
-    def __init__(self, env: Env) -> None:
-        self.inner = env.renewals
-        self.calls = 0
-
-    def renew(self, body: bytes, peer_cert_der: bytes | None) -> str:
-        self.calls += 1
-        return self.inner.renew(body, peer_cert_der)
-
-
-def node_calls(env: Env, metrics: Metrics) -> tuple[NodeCalls, Counting]:
-    counting = Counting(env)
-    calls = NodeCalls(env.store, env.joins, env.renewals, trio.CapacityLimiter(2), metrics)
-    calls.renewservice = counting  # type: ignore[assignment]
-    return calls, counting
+def node_calls(env: Env, metrics: Metrics) -> NodeCalls:
+    """NodeCalls as serve builds it: RenewService counts into the same metrics."""
+    renewals = RenewService(env.store, env.crypto, metrics)
+    return NodeCalls(env.store, env.joins, renewals, trio.CapacityLimiter(2), metrics)
 
 
 def renew_request(env: Env, node: NodeId, peer: bytes | None) -> Request:
@@ -57,10 +46,18 @@ def counted(metrics: Metrics, outcome: str) -> float:
     return value or 0.0
 
 
-async def test_a_renewal_is_two_transactions_and_answers_the_new_identity(env: Env) -> None:
+def counted_refusal(metrics: Metrics, reason: str) -> float:
+    value = metrics.registry.get_sample_value("bc_renewal_refusals_total", {"reason": reason})
+    return value or 0.0
+
+
+def refusal_events(env: Env) -> int:
+    return len(env.events(env.tenant, "security.renew.refused"))
+
+
+async def test_a_renewal_is_one_transaction_and_answers_the_new_identity(env: Env) -> None:
     node = env.join(1)
-    metrics = Metrics()
-    calls, counting = node_calls(env, metrics)
+    calls = node_calls(env, Metrics())
     durations: list[float] = []
     env.store.on_tx = durations.append
     answer = await calls.handle(renew_request(env, node, node.der))
@@ -68,8 +65,8 @@ async def test_a_renewal_is_two_transactions_and_answers_the_new_identity(env: E
     body: dict[str, Any] = wire.verify_response(answer.body.decode("ascii"), env.pin)
     assert answer.status == 200
     assert (body["kind"], body["node_id"]) == ("renewed", node.node_id)
-    assert len(durations) == 2  # the gateway's checks, then RenewService's own
-    assert counting.calls == 1
+    assert len(durations) == 1  # the caller's checks and RenewService's own
+    assert len(env.rows("SELECT * FROM renewals WHERE node_id = ?", (node.node_id,))) == 1
 
 
 async def test_a_revoked_client_certificate_is_unauthenticated_before_anything_else(
@@ -78,7 +75,8 @@ async def test_a_revoked_client_certificate_is_unauthenticated_before_anything_e
     node = env.join(2)
     env.sql("UPDATE node_certs SET revoked_at = 1 WHERE serial = ?", (node.serial,))
     metrics = Metrics()
-    calls, counting = node_calls(env, metrics)
+    calls = node_calls(env, metrics)
+    before = env.snapshot()
     answer = await calls.handle(renew_request(env, node, node.der))
     assert answer.status == 401
     assert json.loads(answer.body) == {
@@ -86,13 +84,38 @@ async def test_a_revoked_client_certificate_is_unauthenticated_before_anything_e
         "code": "UNAUTHENTICATED",
         "message": "this certificate is not a live node certificate",
     }
-    assert counting.calls == 0
+    assert env.snapshot() == before  # no proof spent: Renew's own checks never ran
+    assert refusal_events(env) == 0
     assert counted(metrics, "refused") == 0
+
+
+async def test_an_unauthenticated_caller_hears_so_before_its_body_is_judged(env: Env) -> None:
+    node = env.join(5)
+    env.sql("UPDATE node_certs SET revoked_at = 1 WHERE serial = ?", (node.serial,))
+    calls = node_calls(env, Metrics())
+    junk = Request("POST", "/v1/renew", {}, {}, b"{not json", node.der, "127.0.0.1:4000")
+    answer = await calls.handle(junk)
+    assert answer.status == 401
+    assert json.loads(answer.body)["reason"] == "revoked"
+
+
+async def test_a_live_caller_with_a_malformed_body_is_told_so(env: Env) -> None:
+    node = env.join(6)
+    metrics = Metrics()
+    calls = node_calls(env, metrics)
+    before = env.snapshot()
+    junk = Request("POST", "/v1/renew", {}, {}, b"{not json", node.der, "127.0.0.1:4000")
+    answer = await calls.handle(junk)
+    assert answer.status == 400
+    assert json.loads(answer.body)["code"] == "INVALID_ARGUMENT"
+    assert env.snapshot() == before
+    assert counted(metrics, "error") == 1
 
 
 async def test_an_unknown_or_missing_client_certificate_is_unauthenticated(env: Env) -> None:
     node = env.join(3)
-    calls, counting = node_calls(env, Metrics())
+    calls = node_calls(env, Metrics())
+    before = env.snapshot()
     unknown = await calls.handle(renew_request(env, node, b"not a certificate we issued"))
     assert unknown.status == 401
     assert json.loads(unknown.body)["reason"] == "unknown-certificate"
@@ -102,7 +125,21 @@ async def test_an_unknown_or_missing_client_certificate_is_unauthenticated(env: 
         "code": "UNAUTHENTICATED",
         "message": "a node client certificate is required",
     }
-    assert counting.calls == 0
+    assert env.snapshot() == before
+    assert refusal_events(env) == 0
+
+
+async def test_a_leaf_of_another_node_is_refused_as_an_identity_mismatch(env: Env) -> None:
+    node, other = env.join(7), env.join(8)
+    metrics = Metrics()
+    calls = node_calls(env, metrics)
+    before = env.snapshot()
+    # The caller is live, but presents (and proves) another node's leaf.
+    answer = await calls.handle(renew_request(env, other, node.der))
+    assert answer.status == 403
+    assert json.loads(answer.body)["message"] == "Renew refused"
+    assert counted_refusal(metrics, "identity-mismatch") == 1
+    assert env.snapshot() == before
 
 
 async def test_a_node_over_its_hourly_renewals_is_turned_away_before_it_is_judged(
@@ -110,10 +147,10 @@ async def test_a_node_over_its_hourly_renewals_is_turned_away_before_it_is_judge
 ) -> None:
     node = env.join(4)
     metrics = Metrics()
-    calls, counting = node_calls(env, metrics)
+    calls = node_calls(env, metrics)
     for _ in range(RENEWALS_PER_HOUR):
         node = await renew_once(env, calls, node)
-    assert counting.calls == RENEWALS_PER_HOUR
+    before = env.snapshot()
     answer = await calls.handle(renew_request(env, node, node.der))
     assert answer.status == 429
     assert json.loads(answer.body) == {
@@ -121,5 +158,9 @@ async def test_a_node_over_its_hourly_renewals_is_turned_away_before_it_is_judge
         "message": "at most 6 renewals per node and hour",
     }
     assert int(dict(answer.headers)["retry-pushback-ms"]) > 0
-    assert counting.calls == RENEWALS_PER_HOUR  # RenewService never saw the seventh
+    assert env.snapshot() == before  # the seventh's proof is not spent: never judged
     assert counted(metrics, "rate-limited") == 1
+    assert counted(metrics, "renewed") == RENEWALS_PER_HOUR
+    # Over its rate, a malformed body still hears RESOURCE_EXHAUSTED first.
+    junk = Request("POST", "/v1/renew", {}, {}, b"{not json", node.der, "127.0.0.1:4000")
+    assert (await calls.handle(junk)).status == 429
