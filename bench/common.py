@@ -118,21 +118,32 @@ def opened_store(kind: str, tmp: Path, app_name: str) -> Iterator[Store]:
 
 @dataclass
 class Recorded:
-    """The statements (their SQL texts) and transactions a store ran while recorded."""
+    """The statements (their SQL texts) and transactions a store ran while recorded;
+    ``deferred``: how many of the statements were :meth:`~control.store.Tx.defer`'s."""
 
     statements: list[str] = field(default_factory=list)
     transactions: int = 0
+    deferred: int = 0
+
+    def round_trips(self, dialect: str) -> int | None:
+        """PostgreSQL's round trips: each transaction's BEGIN (with its time) and COMMIT,
+        each statement not deferred (a deferred one rides with the next statement or
+        the COMMIT, in one pipeline); None on SQLite, which has none."""
+        if dialect != "postgres":
+            return None
+        return 2 * self.transactions + len(self.statements) - self.deferred
 
 
 @contextlib.contextmanager
 def recorded_statements(store: Store) -> Iterator[Recorded]:
     """Record every statement and transaction of ``store`` (all its connections) until
-    the block ends: its dialect's ``Tx.execute`` / ``query`` and ``Store._tx`` wrapped,
-    and put back afterwards. A bench's count, never a test's."""
+    the block ends: its dialect's ``Tx.execute`` / ``query`` / ``defer`` and
+    ``Store._tx`` wrapped, and put back afterwards. A bench's count, never a test's."""
     recorded = Recorded()
     with store.tx() as tx:  # the dialect's Tx class
         tx_class = type(tx)
-    execute, query, inner = tx_class.execute, tx_class.query, type(store)._tx
+    execute, query, defer, inner = tx_class.execute, tx_class.query, tx_class.defer, type(store)._tx
+    own_defer = "defer" in vars(tx_class)  # else Tx.defer, which calls execute
 
     def counted_execute(self: Tx, sql: str, params: Any = ()) -> int:
         recorded.statements.append(sql)
@@ -142,6 +153,12 @@ def recorded_statements(store: Store) -> Iterator[Recorded]:
         recorded.statements.append(sql)
         return query(self, sql, params)
 
+    def counted_defer(self: Tx, sql: str, params: Any = ()) -> None:
+        if own_defer:
+            recorded.statements.append(sql)
+            recorded.deferred += 1
+        defer(self, sql, params)
+
     @contextlib.contextmanager
     def counted_tx(self: Store) -> Iterator[Tx]:
         recorded.transactions += 1
@@ -149,11 +166,16 @@ def recorded_statements(store: Store) -> Iterator[Recorded]:
             yield tx
 
     tx_class.execute, tx_class.query = counted_execute, counted_query  # type: ignore[method-assign]
+    tx_class.defer = counted_defer  # type: ignore[method-assign]
     type(store)._tx = counted_tx  # type: ignore[method-assign]
     try:
         yield recorded
     finally:
         tx_class.execute, tx_class.query = execute, query  # type: ignore[method-assign]
+        if own_defer:
+            tx_class.defer = defer  # type: ignore[method-assign]
+        else:  # inherited: put no copy on the dialect's class
+            del tx_class.defer
         type(store)._tx = inner  # type: ignore[method-assign]
 
 

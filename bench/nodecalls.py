@@ -13,13 +13,18 @@ RenewService, their transactions, on a SQLite file or a fresh PostgreSQL schema
 (``BCD_TEST_PG``). For each store it prints:
 
 - **statements** per join and per renewal, as the store's transactions run them,
-  and the transactions (on PostgreSQL each adds two round trips, its ``BEGIN``,
-  which carries the ``compute_now()`` read, and its ``COMMIT``);
+  and the transactions; on PostgreSQL the round trips: each transaction's ``BEGIN``
+  (which carries the ``compute_now()`` read) and ``COMMIT``, and each statement not
+  deferred (``Tx.defer``: sent with the next statement or the ``COMMIT``, in one
+  pipeline);
 - **instructions** per join and per renewal of this process (valgrind's callgrind,
   the difference of 4 and 24 operations over 20: the same from run to run; the
   PostgreSQL server's own work is not in it);
 - with ``--cpu N``: CPU ms per operation over N operations (``time.process_time``;
-  moves with the machine's load), and the PostgreSQL backend's.
+  moves with the machine's load), and the PostgreSQL backend's;
+- with ``--compare-deferred BLOCK`` (PostgreSQL): CPU, backend CPU and wall time per
+  operation with the deferred statements pipelined, as the store sends them, and
+  with each sent at once, the two ways alternated in blocks in the same run.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import tempfile
 import time
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -92,6 +98,43 @@ class World:
         trio.run(go)
 
 
+def compare_deferred(world: World, start: int, block: int, rounds: int) -> None:
+    """PostgreSQL: each operation's CPU (this process and its backends) and wall time,
+    with ``Tx.defer`` pipelined as the store does and with every deferred statement
+    sent at once as its own round trip, in blocks of ``block`` operations, the two ways
+    alternated ``rounds`` times each (the same run, so the machine's load moves both),
+    from operation ``start`` on."""
+    from control.store.postgres import _PgTx
+
+    pipelined = _PgTx.defer
+
+    def at_once(tx: _PgTx, sql: str, params: Any = ()) -> None:
+        tx.execute(sql, params)
+
+    def backends() -> float:
+        return sum((pg_backends_cpu_s(APP) or {}).values())
+
+    try:
+        for what in ("join", "renew"):
+            i = start  # joins and renewals are separate lists
+            sums = {"pipelined": [0.0, 0.0, 0.0], "at once": [0.0, 0.0, 0.0]}
+            for r in range(rounds):
+                for way in ("pipelined", "at once") if r % 2 == 0 else ("at once", "pipelined"):
+                    _PgTx.defer = pipelined if way == "pipelined" else at_once  # type: ignore[method-assign]
+                    b0, c0, w0 = backends(), time.process_time(), time.perf_counter()
+                    world.run(what, i, i + block)
+                    for k, v in enumerate((time.process_time() - c0, backends() - b0,
+                                           time.perf_counter() - w0)):  # fmt: skip
+                        sums[way][k] += v
+                    i += block
+            for way, (cpu, backend, wall) in sums.items():
+                per = 1000 / (block * rounds)
+                print(f"  {what}, deferred statements {way}: CPU {cpu * per:.3f} ms, "
+                      f"PostgreSQL backend {backend * per:.3f} ms, wall {wall * per:.3f} ms")  # fmt: skip
+    finally:
+        _PgTx.defer = pipelined  # type: ignore[method-assign]
+
+
 def callgrind_child(kind: str, what: str, n: int) -> None:
     with (
         tempfile.TemporaryDirectory(prefix="bcd-nodecalls-") as name,
@@ -108,6 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--store", choices=("sqlite", "postgres", "both"), default="both")
     parser.add_argument("--cpu", type=int, default=0, help="also CPU per op over N ops")
     parser.add_argument("--no-instructions", action="store_true")
+    parser.add_argument(
+        "--compare-deferred",
+        type=int,
+        default=0,
+        metavar="BLOCK",
+        help="PostgreSQL: deferred statements pipelined against sent at once, "
+        "blocks of BLOCK operations alternated 6 times each",
+    )
     parser.add_argument("--callgrind", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.callgrind:
@@ -121,14 +172,17 @@ def main(argv: list[str] | None = None) -> int:
             tempfile.TemporaryDirectory(prefix="bcd-nodecalls-") as name,
             opened_store(kind, Path(name), APP) as store,
         ):
-            world = World(store, max(args.cpu, 1))
+            world = World(store, max(args.cpu, 1) + 12 * args.compare_deferred)
             world.run("join", 0, WARMUP)
             world.run("renew", 0, WARMUP)
             for what in ("join", "renew"):
                 with recorded_statements(store) as seen:
                     world.run(what, WARMUP, WARMUP + 1)
+                trips = seen.round_trips(store.dialect)
                 print(f"  one {what}: {seen.transactions} transactions, "
-                      f"{len(seen.statements)} statements")  # fmt: skip
+                      f"{len(seen.statements)} statements"
+                      + ("" if trips is None else f", {seen.deferred} of them deferred: "
+                         f"{trips} round trips"))  # fmt: skip
                 for sql in seen.statements:
                     print(f"      {' '.join(sql.split())[:100]}")
             if args.cpu:
@@ -143,6 +197,8 @@ def main(argv: list[str] | None = None) -> int:
                         pg = sum(v - pg0.get(k, 0.0) for k, v in pg1.items())
                         extra = f", PostgreSQL backend {pg * 1000 / (args.cpu - 1):.3f} ms"
                     print(f"  CPU per {what}: {ms:.3f} ms{extra}")
+            if args.compare_deferred and kind == "postgres":
+                compare_deferred(world, WARMUP + max(args.cpu, 1), args.compare_deferred, 6)
         if not args.no_instructions:
             script = str(Path(__file__).resolve())
             for what in ("join", "renew"):

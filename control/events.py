@@ -95,7 +95,7 @@ def publish_many(tx: Tx, items: Sequence[tuple[str, str, dict[str, Any]]]) -> li
         tx.on_commit(functools.partial(_log_published, event_id, tenant_id, type_, dict(payload)))
     if ids:
         rows = ", ".join(["(?, ?, ?, ?, ?)"] * len(ids))
-        tx.execute(
+        tx.defer(
             f"INSERT INTO events (id, tenant_id, type, payload, created_at) VALUES {rows}", params
         )
     return ids
@@ -114,7 +114,7 @@ def audit_many(tx: Tx, items: Sequence[tuple[str, str, str, dict[str, Any]]]) ->
                    now]  # fmt: skip
     if params:
         rows = ", ".join(["(?, ?, ?, ?, ?, ?)"] * len(items))
-        tx.execute(
+        tx.defer(
             "INSERT INTO audit (id, tenant_id, action, subject, payload, created_at) "
             f"VALUES {rows}",
             params,

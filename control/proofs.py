@@ -35,7 +35,7 @@ def proof_sha256(pop_sig: bytes) -> str:
 
 def spend_proof(tx: Tx, proof: str, node_id: str, now_ms: int) -> bool:
     """Record the proof; False when it was already accepted in the last 120 s."""
-    tx.execute(
+    tx.defer(
         "DELETE FROM renew_proofs WHERE node_id = ? AND used_at < ?",
         (node_id, now_ms - REPLAY_WINDOW_MS),
     )

@@ -240,11 +240,11 @@ class RenewService:
             generation,
             node.max_lifetime_s,
         )
-        tx.execute(
+        tx.defer(
             "DELETE FROM renewals WHERE node_id = ? AND renewed_at <= ?",
             (node_id, now_ms - RATE_WINDOW_MS),
         )
-        tx.execute(
+        tx.defer(
             "INSERT INTO renewals (serial, node_id, renewed_at) VALUES (?, ?, ?)",
             (new.serial_hex, node_id, now_ms),
         )

@@ -140,7 +140,7 @@ def insert_node(
     the join request's (``""``: none named), until a session's Hello names one."""
     node_id = new_id("node")
     now_ms = tx.now_ms()
-    tx.execute(
+    tx.defer(
         "INSERT INTO nodes (id, tenant_id, site_id, pool_id, role, state, "
         "identity_generation, hardware_key, hardware_key_trusted, claims, attestor, "
         "max_lifetime_s, daemon_version, created_at, updated_at) "
@@ -278,7 +278,7 @@ def record_leaf(
     allowed_kinds: Sequence[str],
 ) -> None:
     """Record an issued leaf as a node_certs row."""
-    tx.execute(
+    tx.defer(
         "INSERT INTO node_certs (serial, node_id, identity_generation, role, spki_sha256, der, "
         "statements, allowed_kinds, not_before, not_after, created_at) "
         "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",

@@ -91,9 +91,7 @@ def test_no_symlink_in_the_textfile_directory_is_followed(tmp_path: Path) -> Non
         victim.write_text("keep\n")
         victim.chmod(0o600)
     path.symlink_to(victims[0])
-    (tmp_path / f"bcd.prom.{os.getpid()}.{threading.current_thread().ident}").symlink_to(
-        victims[1]
-    )
+    (tmp_path / f"bcd.prom.{os.getpid()}.{threading.current_thread().ident}").symlink_to(victims[1])
     assert TextfileMetrics(path).write()
     for victim in victims:
         assert victim.read_text() == "keep\n"

@@ -77,6 +77,70 @@ def test_other_integrity_errors_are_bugs_not_conflicts(store: Store, sql: str) -
         assert tx.query("SELECT id FROM sites WHERE id = 's'") == []
 
 
+_TENANT = "INSERT INTO tenants (id, name, is_root, created_at) VALUES (?, ?, 0, 0)"
+
+
+def test_deferred_statements_run_in_order_before_the_next_one(store: Store) -> None:
+    """A deferred statement has run by the time the next statement of its transaction
+    runs (a query sees it) and by the commit; more than a pipeline's worth too."""
+    with store.tx() as tx:
+        tx.defer(_TENANT, ("t1", "one"))
+        tx.defer("UPDATE tenants SET name = ? WHERE id = ?", ("uno", "t1"))
+        assert tx.one("SELECT name FROM tenants WHERE id = ?", ("t1",)) == {"name": "uno"}
+        for i in range(150):
+            tx.defer(_TENANT, (f"n{i}", f"n{i}"))
+    with store.tx() as tx:
+        assert tx.one("SELECT COUNT(*) AS n FROM tenants WHERE id LIKE 'n%'") == {"n": 150}
+
+
+@pytest.mark.parametrize("then", ["query", "execute", "commit"])
+def test_a_deferred_conflict_is_raised_in_its_transaction_and_keeps_nothing(
+    store: Store, then: str
+) -> None:
+    """A deferred statement's unique violation is a StoreConflict of its transaction:
+    on SQLite at once, on PostgreSQL by the next statement or the commit. Either way
+    nothing of the transaction is kept, and the store serves the next one."""
+    with store.tx() as tx:
+        tx.execute(_TENANT, ("dup", "first"))
+
+    def conflicting() -> None:
+        with store.tx() as tx:
+            tx.defer(_TENANT, ("kept-not", "x"))
+            tx.defer(_TENANT, ("dup", "second"))
+            if then == "query":
+                tx.query("SELECT id FROM tenants")
+            elif then == "execute":
+                tx.execute(_TENANT, ("after", "y"))
+
+    with pytest.raises(StoreConflict):
+        conflicting()
+    with store.tx() as tx:
+        rows = tx.query("SELECT id, name FROM tenants ORDER BY id")
+    assert rows == [{"id": "dup", "name": "first"}]
+
+
+def test_a_deferred_statement_waits_on_postgresql(store: Store) -> None:
+    """On PostgreSQL a deferred statement is not sent at the call (it goes with the next
+    one, in one round trip): its error comes from the statement after it."""
+    if store.dialect != "postgres":
+        pytest.skip("SQLite runs a deferred statement at once")
+    reached = []
+
+    def failing() -> None:
+        with store.tx() as tx:
+            tx.defer(
+                "INSERT INTO tenants (id, name, is_root, created_at) VALUES ('z', 'z', 0, 1/0)"
+            )
+            reached.append("after the defer")  # its error is not raised yet
+            tx.one("SELECT 1 AS one")
+
+    with pytest.raises(psycopg.errors.DivisionByZero):
+        failing()
+    assert reached == ["after the defer"]
+    with store.tx() as tx:
+        assert tx.query("SELECT id FROM tenants") == []
+
+
 def test_row_lock_serialises_concurrent_decrements(store_url: str) -> None:
     """Ten threads take one use each of a 5-use counter: exactly five succeed."""
     setup = open_store(store_url)

@@ -46,6 +46,18 @@ class Tx(abc.ABC):
     def query(self, sql: str, params: Params = ()) -> list[Row]:
         """Run a query; return its rows as dicts."""
 
+    def defer(self, sql: str, params: Params = ()) -> None:
+        """Run a statement whose result nobody reads: by the time the next statement
+        runs, or the transaction commits, it has run, in order.
+
+        A dialect may send it with what comes next in one round trip (PostgreSQL's
+        pipeline); its error, a :class:`~control.errors.StoreConflict` included, is
+        then raised by that later statement or by the commit, inside the same
+        ``with store.tx()`` block. So only a statement whose failure the caller
+        handles for the whole transaction may be deferred, never one whose own
+        error is caught around it."""
+        self.execute(sql, params)
+
     def one(self, sql: str, params: Params = ()) -> Row | None:
         rows = self.query(sql, params)
         return rows[0] if rows else None

@@ -26,6 +26,9 @@ _NOW = "SELECT (extract(epoch from now()) * 1000)::bigint AS now"
 _BEGIN_NOW = ("BEGIN; " + _NOW).encode()
 _PLACEHOLDER = re.compile(r"\?")
 _MIGRATION_LOCK = 7_361_002
+# At most this many deferred statements wait for the next round trip (a transaction
+# deferring more sends them in pipelines of this many).
+_MAX_DEFERRED = 64
 
 
 @functools.lru_cache(maxsize=1024)
@@ -41,6 +44,7 @@ class _PgTx(Tx):
     def __init__(self, conn: psycopg.Connection[Any], clock: Clock | None) -> None:
         self._conn = conn
         self.clock = clock
+        self._deferred: list[tuple[str, tuple[Any, ...]]] = []
 
     def begin(self) -> None:
         """BEGIN, with the database's time read in the same round trip (the connection
@@ -54,18 +58,49 @@ class _PgTx(Tx):
         assert row is not None
         self._now = int(row["now"])
 
+    def defer(self, sql: str, params: Params = ()) -> None:
+        """Queued: sent with the next statement or the COMMIT, in one pipeline."""
+        if len(self._deferred) >= _MAX_DEFERRED:
+            self._pipeline(None)
+        self._deferred.append((_sql(sql), tuple(params)))
+
     def execute(self, sql: str, params: Params = ()) -> int:
-        try:
-            with self._conn.cursor() as cur:
-                cur.execute(_sql(sql), tuple(params))
-                return cur.rowcount
-        except psycopg.errors.UniqueViolation as exc:
-            raise StoreConflict() from exc
+        with self._conn.cursor() as cur:
+            self._pipeline((cur, _sql(sql), tuple(params)))
+            return cur.rowcount
 
     def query(self, sql: str, params: Params = ()) -> list[Row]:
         with self._conn.cursor() as cur:
-            cur.execute(_sql(sql), tuple(params))
+            self._pipeline((cur, _sql(sql), tuple(params)))
             return cur.fetchall()  # dict_row: each row is a dict of its own already
+
+    def commit(self) -> None:
+        """The deferred statements and the COMMIT, in one round trip."""
+        self._pipeline(None, commit=True)
+
+    def _pipeline(
+        self, last: tuple[psycopg.Cursor[Any], str, tuple[Any, ...]] | None, commit: bool = False
+    ) -> None:
+        """Run the deferred statements, then ``last`` (a statement on its cursor) or the
+        COMMIT: with none deferred, as a plain call; else in one pipeline (one round
+        trip; the first error is raised, and the statements after it are not run)."""
+        deferred, self._deferred = self._deferred, []
+        try:
+            if not deferred:
+                if last is not None:
+                    last[0].execute(last[1], last[2])
+                if commit:
+                    self._conn.commit()
+                return
+            with self._conn.pipeline():
+                for sql, params in deferred:
+                    self._conn.execute(sql, params)
+                if last is not None:
+                    last[0].execute(last[1], last[2])
+                if commit:
+                    self._conn.commit()
+        except psycopg.errors.UniqueViolation as exc:
+            raise StoreConflict() from exc
 
     def _database_ms(self) -> int:
         row = self.one(_NOW)
@@ -148,9 +183,11 @@ class PostgresStore(Store):
                         conn.rollback()
                     raise
                 try:
-                    conn.commit()
-                except psycopg.errors.UniqueViolation as exc:
-                    raise StoreConflict() from exc
+                    tx.commit()
+                except BaseException:
+                    with contextlib.suppress(psycopg.Error):
+                        conn.rollback()
+                    raise
                 if tx.revoked:
                     _notify_revoked(conn)
         except (PoolTimeout, psycopg.OperationalError) as exc:
