@@ -184,6 +184,10 @@ class Recording:
         self.statements.append(sql)
         return self._tx.execute(sql, params)
 
+    def defer(self, sql: str, params: Any = ()) -> None:
+        self.statements.append(sql)
+        self._tx.defer(sql, params)
+
 
 def recorded(env: Env, seen: dict[str, str]) -> tuple[dict[str, int], list[str]]:
     with env.store.tx() as tx:
