@@ -394,22 +394,21 @@ def live_peer_or_details(tx: Tx, peer_cert_der: bytes) -> tuple[LivePeer | None,
     a revoked certificate, its signed ``notice``.
 
     Live: byte for byte a node_certs row, unrevoked, within its validity at
-    ``compute_now()``, of a node that is not retired. Two reads: the certificate's row
-    and its node's.
+    ``compute_now()``, of a node that is not retired. One statement reads the
+    certificate's row and its node's.
 
     A certificate the store has no row for is what a node that joined or renewed
     after the backup the database was restored from presents (docs/operators.md,
     "Backup and restore"). The reason is a hint, not a proof: a relaying gateway can
     send any, so the node stops only on the signed notice (:mod:`bcd.revocation`).
     """
-    row = repos.cert_row(tx, peer_cert_der)
+    row = repos.cert_row(tx, peer_cert_der, with_node=True)
     now_ms = tx.now_ms()
     details = _dead_cert(row, now_ms)
     if details is not None:
         return None, details
     assert row is not None  # _dead_cert answers a missing row
-    node = tx.one("SELECT retired_at FROM nodes WHERE id = ?", (row["node_id"],))
-    if node is None or node["retired_at"] is not None:
+    if row["node_found"] is None or row["node_retired_at"] is not None:
         return None, {"reason": "node-retired"}
     return LivePeer(str(row["node_id"]), str(row["serial"]), int(row["not_after"]) - now_ms), {}
 

@@ -234,9 +234,20 @@ def lock_join_request(tx: Tx, request_id: str, attestor: str) -> RequestFacts | 
 # --- node certificates --------------------------------------------------------------------
 
 
-def cert_row(tx: Tx, der: bytes | None, serial: str | None = None) -> Row | None:
+_CERT_ROW = "SELECT * FROM node_certs WHERE serial = ?"
+_CERT_ROW_AND_NODE = (
+    "SELECT c.*, n.id AS node_found, n.retired_at AS node_retired_at "
+    "FROM node_certs c LEFT JOIN nodes n ON n.id = c.node_id WHERE c.serial = ?"
+)
+
+
+def cert_row(
+    tx: Tx, der: bytes | None, serial: str | None = None, *, with_node: bool = False
+) -> Row | None:
     """The node_certs row whose DER is byte for byte ``der``, else None (``serial``:
-    the certificate's, when the caller parsed it already)."""
+    the certificate's, when the caller parsed it already). ``with_node``: in the same
+    statement, its node's ``node_found`` (its id, None when there is no such node) and
+    ``node_retired_at``."""
     if der is None:
         return None
     if serial is None:
@@ -244,7 +255,7 @@ def cert_row(tx: Tx, der: bytes | None, serial: str | None = None) -> Row | None
             serial = format(x509.load_der_x509_certificate(der).serial_number, "x")
         except (ValueError, x509.InvalidVersion):
             return None
-    row = tx.one("SELECT * FROM node_certs WHERE serial = ?", (serial,))
+    row = tx.one(_CERT_ROW_AND_NODE if with_node else _CERT_ROW, (serial,))
     if row is None or base64.b64decode(row["der"]) != der:
         return None
     return row

@@ -17,7 +17,9 @@ import stat
 import subprocess
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
+from typing import Any
 
+import pytest
 import trio
 from cryptography.hazmat.primitives import serialization
 
@@ -86,6 +88,31 @@ def test_the_answer_names_why_a_certificate_is_not_live(env: Env, clock: ManualC
     assert peer is None
     assert details["reason"] == "revoked"
     assert details["notice"]  # the signed RevocationNotice goes with it
+
+
+def test_a_live_check_reads_the_certificate_and_its_node_in_one_statement(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session's open asks this of every node: one statement, not one a table."""
+    node = env.join(62)
+    retired = env.join(63)
+    env.sql("UPDATE nodes SET retired_at = 1 WHERE id = ?", (retired.node_id,))
+    with env.store.tx() as tx:
+        tx.now_ms()
+        seen: list[str] = []
+        real = tx.query
+
+        def query(sql: str, params: Any = ()) -> list[dict[str, Any]]:
+            seen.append(sql)
+            return real(sql, params)
+
+        monkeypatch.setattr(tx, "query", query)
+        peer, _ = live_peer_or_details(tx, node.der)
+        assert peer is not None
+        assert peer.node_id == node.node_id
+        assert live_peer_or_details(tx, retired.der) == (None, {"reason": "node-retired"})
+    assert len(seen) == 2
+    assert all("JOIN nodes" in sql for sql in seen)
 
 
 def test_the_node_judges_unknown_apart_from_revoked(tmp_path: Path, memory_pki: Pki) -> None:
