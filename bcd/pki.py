@@ -263,8 +263,11 @@ def leaf_info(cert: x509.Certificate) -> LeafInfo:
     roles = [str(a.value)[len(ROLE_PREFIX) :] for a in ous if str(a.value).startswith(ROLE_PREFIX)]
     if len(roles) != 1 or roles[0] not in ROLES:
         raise PkiError("the certificate has no role")
-    key = cert.public_key()
-    if not isinstance(key, ec.EllipticCurvePublicKey):
+    try:
+        key = cert.public_key()
+    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # an unknown curve or kind
+        raise PkiError("the certificate's key is not P-256") from exc
+    if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise PkiError("the certificate's key is not P-256")
     return LeafInfo(
         spiffe=spiffe,

@@ -201,7 +201,12 @@ class RenewService:
         leaf_row = repos.cert_by_serial(tx, serial)
         leaf = repos.cert_facts(leaf_row)
         assert leaf is not None  # node_certs rows are never deleted
-        peer = repos.cert_facts(leaf_row if same else repos.cert_row(tx, attempt.peer_der))
+        peer_row = leaf_row if same else repos.cert_row(tx, attempt.peer_der)
+        if held is not None:  # revoked since the caller's check read its row: as then
+            dead = _dead_cert(peer_row, now_ms)
+            if dead is not None:
+                raise NotLive(dead)
+        peer = repos.cert_facts(peer_row)
         refusal = admission.judge_renew_leaf(leaf, node, peer, request.client_time_ms, now_ms)
         if refusal is not None:
             raise refuse(refusal)
@@ -362,9 +367,9 @@ def _within_rate(tx: Tx, node_id: str) -> None:
 def check_renew_rate(tx: Tx, node_id: str) -> int | None:
     """Milliseconds to wait before the node may renew again, or None when it may now.
 
-    A sliding window: at most 6 renewals per node in any hour. RenewService.renew
-    enforces it too (inside its transaction, with the node row locked); the gateway
-    asks first so a busy node is turned away before its request is judged.
+    A sliding window: at most 6 renewals per node in any hour, read with the node row
+    locked: :meth:`RenewService.renew_live` asks it first, so a busy node is turned
+    away before its request is judged; :meth:`RenewService.renew` at its step 7.
     """
     now_ms = tx.now_ms()
     rows = tx.query(

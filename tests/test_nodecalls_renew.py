@@ -8,11 +8,17 @@ proof spent, no refusal event."""
 from __future__ import annotations
 
 import json
+import threading
+from functools import partial
 from typing import Any
 
+import pytest
 import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
-from bcd import wire
+from bcd import pki, wire
+from control import nodes
 from control.gateway import NodeCalls
 from control.http import Request
 from control.metrics import Metrics
@@ -164,3 +170,81 @@ async def test_a_node_over_its_hourly_renewals_is_turned_away_before_it_is_judge
     # Over its rate, a malformed body still hears RESOURCE_EXHAUSTED first.
     junk = Request("POST", "/v1/renew", {}, {}, b"{not json", node.der, "127.0.0.1:4000")
     assert (await calls.handle(junk)).status == 429
+
+
+P256_OID = bytes.fromhex("06082a8648ce3d030107")  # prime256v1 in the leaf's SPKI
+UNKNOWN_CURVE_OID = bytes.fromhex("06082a8648ce3d030106")  # same length, no such curve
+
+
+def leaf_with_an_unknown_curve(node: NodeId) -> str:
+    """The node's chain with its leaf's curve renamed: it parses, its key does not."""
+    certs = pki.load_pem_chain(node.chain)
+    der = certs[0].public_bytes(serialization.Encoding.DER)
+    assert der.count(P256_OID) == 1
+    bent = x509.load_der_x509_certificate(der.replace(P256_OID, UNKNOWN_CURVE_OID))
+    return "".join(pki.cert_pem(c) for c in [bent, *certs[1:]])
+
+
+async def test_a_leaf_whose_key_does_not_load_is_answered_in_the_seeds_order(env: Env) -> None:
+    """A key of an unknown curve is a malformed leaf, never a 500: a dead caller still
+    hears UNAUTHENTICATED first, a live one a refusal, and nothing is written."""
+    node, dead = env.join(9), env.join(10)
+    chain = leaf_with_an_unknown_curve(node)
+    with pytest.raises(pki.PkiError, match="not P-256"):
+        pki.leaf_info(pki.load_pem_chain(chain)[0])
+    env.sql("UPDATE node_certs SET revoked_at = 1 WHERE serial = ?", (dead.serial,))
+    metrics = Metrics()
+    calls = node_calls(env, metrics)
+    before = env.snapshot()
+    bent = env.body(node, chain=chain).body
+    answer = await calls.handle(Request("POST", "/v1/renew", {}, {}, bent, dead.der, "x:1"))
+    assert answer.status == 401
+    assert json.loads(answer.body)["reason"] == "revoked"
+    answer = await calls.handle(Request("POST", "/v1/renew", {}, {}, bent, node.der, "x:1"))
+    assert answer.status == 403
+    assert json.loads(answer.body)["message"] == "Renew refused"
+    assert counted(metrics, "refused") == 1
+    assert env.snapshot() == before
+
+
+async def test_a_revocation_committed_while_the_caller_waits_for_its_node_is_unauthenticated(
+    env: Env,
+) -> None:
+    """The caller's row is read before its node's lock: a revocation holding that lock
+    commits, and the renewal, once it has the lock, answers UNAUTHENTICATED with the
+    signed notice, as if it had come later (PostgreSQL: SQLite runs one writer)."""
+    if env.store.dialect != "postgres":
+        pytest.skip("SQLite's BEGIN IMMEDIATE runs one transaction at a time")
+    node = env.join(11)
+    calls = node_calls(env, Metrics())
+    req = renew_request(env, node, node.der)
+    locked, release = threading.Event(), threading.Event()
+
+    def revoke() -> None:
+        with env.store.tx() as tx:
+            nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign)
+            locked.set()
+            release.wait(20)
+
+    answers: list[Any] = []
+
+    async def renew() -> None:
+        answers.append(await calls.handle(req))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(partial(trio.to_thread.run_sync, revoke, abandon_on_cancel=False))
+        assert await trio.to_thread.run_sync(locked.wait, 20)
+        nursery.start_soon(renew)
+        with trio.fail_after(20):
+            waiting = (
+                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
+                "AND query LIKE '%FROM nodes%'"
+            )
+            while not env.rows(waiting):  # noqa: ASYNC110 - the server's record, polled
+                await trio.sleep(0.02)
+        release.set()
+    assert answers[0].status == 401
+    body = json.loads(answers[0].body)
+    assert body["reason"] == "revoked"
+    assert body["notice"]
+    assert refusal_events(env) == 0

@@ -48,7 +48,9 @@ class _PgTx(Tx):
 
     def begin(self) -> None:
         """BEGIN, with the database's time read in the same round trip (the connection
-        is in autocommit mode, so psycopg sends no BEGIN of its own)."""
+        is in autocommit mode, so psycopg sends no BEGIN of its own). The store calls
+        it first, before anything can be deferred."""
+        assert not self._deferred
         if self.clock is not None:
             self._conn.execute(b"BEGIN")
             return
@@ -110,6 +112,7 @@ class _PgTx(Tx):
     def script(self, sql: str) -> None:
         # No parameters: psycopg sends the text as is, several statements and
         # dollar-quoted function bodies included.
+        self._pipeline(None)  # what was deferred runs first, in order
         self._conn.execute(sql.encode())
 
 
