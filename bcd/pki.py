@@ -246,26 +246,40 @@ def cert_pem(cert: x509.Certificate) -> str:
     return cert.public_bytes(serialization.Encoding.PEM).decode("ascii")
 
 
+_MALFORMED = (
+    ValueError,
+    TypeError,
+    UnsupportedAlgorithm,
+    x509.DuplicateExtension,
+    x509.UnsupportedGeneralNameType,
+)
+"""What ``cryptography`` raises reading a malformed certificate's parts lazily."""
+
+
 def leaf_info(cert: x509.Certificate) -> LeafInfo:
-    """Read the identity a node leaf carries; raise :class:`PkiError` if it is not one."""
+    """Read the identity a node leaf carries; raise :class:`PkiError` if it is not one
+    (a leaf the request carries is parsed before its sender is known to be live:
+    whatever ``cryptography`` raises of a malformed one is a PkiError here)."""
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+        ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     except x509.ExtensionNotFound as exc:
         raise PkiError("the certificate has no SPIFFE ID") from exc
-    uris = san.get_values_for_type(x509.UniformResourceIdentifier)
+    except _MALFORMED as exc:
+        raise PkiError("the certificate's extensions or subject do not parse") from exc
     if not uris:
         raise PkiError("the certificate has no SPIFFE ID")
     spiffe = parse_spiffe_id(uris[0])
     statements = tuple(uris[1:])
     if any(not s.startswith(STATEMENT_PREFIX) for s in statements):
         raise PkiError("the certificate names more than one identity")
-    ous = cert.subject.get_attributes_for_oid(NameOID.ORGANIZATIONAL_UNIT_NAME)
     roles = [str(a.value)[len(ROLE_PREFIX) :] for a in ous if str(a.value).startswith(ROLE_PREFIX)]
     if len(roles) != 1 or roles[0] not in ROLES:
         raise PkiError("the certificate has no role")
     try:
         key = cert.public_key()
-    except (ValueError, TypeError, UnsupportedAlgorithm) as exc:  # an unknown curve or kind
+    except _MALFORMED as exc:  # an unknown curve or kind
         raise PkiError("the certificate's key is not P-256") from exc
     if not isinstance(key, ec.EllipticCurvePublicKey) or not isinstance(key.curve, ec.SECP256R1):
         raise PkiError("the certificate's key is not P-256")

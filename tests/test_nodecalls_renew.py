@@ -176,25 +176,36 @@ async def test_a_node_over_its_hourly_renewals_is_turned_away_before_it_is_judge
     assert (await calls.handle(junk)).status == 429
 
 
-P256_OID = bytes.fromhex("06082a8648ce3d030107")  # prime256v1 in the leaf's SPKI
-UNKNOWN_CURVE_OID = bytes.fromhex("06082a8648ce3d030106")  # same length, no such curve
+BENT_LEAVES = {
+    # prime256v1 in the leaf's SPKI renamed, same length, no such curve: its key does
+    # not load (UnsupportedAlgorithm)
+    "unknown-curve": ("06082a8648ce3d030107", "06082a8648ce3d030106", "not P-256"),
+    # its key usage's identifier renamed to the alternative name's: two of one
+    # extension (DuplicateExtension)
+    "duplicate-extension": ("0603551d0f", "0603551d11", "do not parse"),
+}
 
 
-def leaf_with_an_unknown_curve(node: NodeId) -> str:
-    """The node's chain with its leaf's curve renamed: it parses, its key does not."""
+def bent_leaf(node: NodeId, was: str, becomes: str) -> str:
+    """The node's chain with its leaf's DER bent: it loads, a lazy part of it does not."""
     certs = pki.load_pem_chain(node.chain)
     der = certs[0].public_bytes(serialization.Encoding.DER)
-    assert der.count(P256_OID) == 1
-    bent = x509.load_der_x509_certificate(der.replace(P256_OID, UNKNOWN_CURVE_OID))
+    assert der.count(bytes.fromhex(was)) == 1
+    bent = x509.load_der_x509_certificate(der.replace(bytes.fromhex(was), bytes.fromhex(becomes)))
     return "".join(pki.cert_pem(c) for c in [bent, *certs[1:]])
 
 
-async def test_a_leaf_whose_key_does_not_load_is_answered_in_the_seeds_order(env: Env) -> None:
-    """A key of an unknown curve is a malformed leaf, never a 500: a dead caller still
-    hears UNAUTHENTICATED first, a live one a refusal, and nothing is written."""
+@pytest.mark.parametrize("bending", sorted(BENT_LEAVES))
+async def test_a_leaf_that_does_not_parse_is_answered_in_the_seeds_order(
+    env: Env, bending: str
+) -> None:
+    """A leaf whose key or extensions do not parse is a malformed leaf, never a 500: a
+    dead caller still hears UNAUTHENTICATED first, a live one a refusal, and nothing is
+    written."""
+    was, becomes, why = BENT_LEAVES[bending]
     node, dead = env.join(9), env.join(10)
-    chain = leaf_with_an_unknown_curve(node)
-    with pytest.raises(pki.PkiError, match="not P-256"):
+    chain = bent_leaf(node, was, becomes)
+    with pytest.raises(pki.PkiError, match=why):
         pki.leaf_info(pki.load_pem_chain(chain)[0])
     env.sql("UPDATE node_certs SET revoked_at = 1 WHERE serial = ?", (dead.serial,))
     metrics = Metrics()
@@ -221,10 +232,12 @@ async def test_a_revocation_committed_while_the_caller_waits_for_its_node_is_una
     calls = node_calls(env, Metrics())
     req = renew_request(env, node, node.der)
     locked, release = threading.Event(), threading.Event()
+    revoker: list[int] = []
 
     def revoke() -> None:
         with env.store.tx() as tx:
             nodes.revoke_identity(tx, env.tenant, node.node_id, env.sign)
+            revoker.append(int(tx.query("SELECT pg_backend_pid() AS pid")[0]["pid"]))
             locked.set()
             release.wait(20)
 
@@ -234,19 +247,22 @@ async def test_a_revocation_committed_while_the_caller_waits_for_its_node_is_una
         answers.append(await calls.handle(req))
 
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(partial(trio.to_thread.run_sync, revoke, abandon_on_cancel=False))
-        assert await trio.to_thread.run_sync(locked.wait, 20)
-        nursery.start_soon(renew)
-        with trio.fail_after(20):
-            waiting = (
-                "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock' "
-                "AND query LIKE '%FROM nodes%'"
-            )
-            while not env.rows(waiting):  # noqa: ASYNC110 - the server's record, polled
-                await trio.sleep(0.02)
-        release.set()
+        try:
+            nursery.start_soon(partial(trio.to_thread.run_sync, revoke, abandon_on_cancel=False))
+            assert await trio.to_thread.run_sync(locked.wait, 20)
+            nursery.start_soon(renew)
+            # the renewal's backend, and no other, waits for the revoker's lock
+            blocked = "SELECT pid FROM pg_stat_activity WHERE ? = ANY(pg_blocking_pids(pid))"
+            with trio.fail_after(20):
+                while not env.rows(blocked, (revoker[0],)):  # noqa: ASYNC110 - polled
+                    await trio.sleep(0.02)
+        finally:
+            release.set()
     assert answers[0].status == 401
     body = json.loads(answers[0].body)
     assert body["reason"] == "revoked"
     assert body["notice"]
     assert refusal_events(env) == 0
+    assert env.rows("SELECT serial FROM renewals") == []  # nothing issued, no proof spent
+    assert env.rows("SELECT proof_sha256 FROM renew_proofs") == []
+    assert len(env.rows("SELECT serial FROM node_certs WHERE node_id = ?", (node.node_id,))) == 1
