@@ -107,6 +107,11 @@ class Metrics:
             "bc_db_transaction_duration_seconds", "One database transaction, from taking a "
             "connection to its commit or rollback.", buckets=_FAST, registry=r,
         )  # fmt: skip
+        self.relay_not_sent = Counter(
+            "bc_relay_not_sent", "A gateway's relay attempts that never reached an API "
+            "replica (a connect or TLS failure, no free connection), each moved to the next "
+            "replica or to the second pass.", registry=r,
+        )  # fmt: skip
         self.limit_hits = Counter(
             "bc_rate_limit_hits", "Calls or connections turned away by a limit, by its name.",
             ["limit"], registry=r,

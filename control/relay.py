@@ -22,7 +22,10 @@ with; a renewal still needs the node key's proof of possession.
 Several upstreams are tried in turn (``--api-upstream``, repeatable), starting with
 the last one that answered. Only a call that never reached a replica (a connection
 or TLS failure, no free connection within :data:`POOL_TIMEOUT_S`) moves to the next
-one. A call that may have reached one (a reset or a close after it was sent, no
+one; when it reached none, every one is tried once more after
+:data:`SECOND_PASS_AFTER_S` (a replica whose handshakes stalled for a moment, the
+only one of a small fleet restarting), if a whole attempt still fits in
+:data:`RELAY_DEADLINE_S`, the relay's bound on one call, under the node's 30 s. A call that may have reached one (a reset or a close after it was sent, no
 whole answer within :data:`ATTEMPT_S`) is never sent to another, since the first may
 still be judging it: it is answered ``UNAVAILABLE`` with ``retry-pushback-ms`` and the
 next upstream becomes the preferred one; the node's own retry, with the same CSR,
@@ -66,6 +69,8 @@ POOL_TIMEOUT_S = 3.0  # no free connection: nothing was sent, so the next replic
 CALL_TIMEOUT_S = 35.0  # httpcore's, per read or write
 KEEPALIVE_S = 5.0  # an idle connection to a replica is closed after this
 ATTEMPT_S = 12.0  # one upstream's whole answer; then the next one, within the node's 30 s
+RELAY_DEADLINE_S = 25.0  # one relayed call, every attempt and pass; the node waits 30 s
+SECOND_PASS_AFTER_S = 0.5  # when no upstream took the call; then each once more
 HEALTH_TIMEOUT_S = 2.0
 _PASSED_HEADERS = ("content-type", "retry-pushback-ms")
 
@@ -108,7 +113,7 @@ class RelayClient:
         self._pool = httpcore.AsyncConnectionPool(
             ssl_context=ctx,
             max_connections=64,
-            max_keepalive_connections=32,
+            max_keepalive_connections=64,  # all of them: no handshake churn under load
             keepalive_expiry=KEEPALIVE_S,
         )
         self._up_checked_at = -1e9
@@ -132,39 +137,64 @@ class RelayClient:
         ]
         if req.peer_cert_der is not None:
             headers.append((PEER_CERT_HEADER.encode(), base64.b64encode(req.peer_cert_der)))
-        for index in self._order():
-            url = self.upstreams[index] + req.path
-            try:
-                with trio.fail_after(ATTEMPT_S):
-                    async with self._pool.stream(
-                        "POST",
-                        url,
-                        content=req.body,
-                        headers=headers,
-                        extensions={"timeout": _TIMEOUTS},
-                    ) as answer:
-                        body = await _bounded(answer)
-            except _NOT_SENT as exc:  # nothing reached that replica: the next one may
-                log.warning("relay to %s failed (%s); trying the next", url, type(exc).__name__)
-                continue
-            except (*_TRANSPORT, _TooLarge, trio.TooSlowError) as exc:
-                # The call may be running there still: sending it to another replica too
-                # could judge it twice (a second node for an untrusted key, a renewal
-                # refused as a replay while the first was issued). The node retries it.
-                self._preferred = (index + 1) % len(self.upstreams)
-                log.warning("relay to %s failed after sending (%s)", url, type(exc).__name__)
-                raise ControlError(
-                    "UNAVAILABLE",
-                    "the JoinService replica did not answer; retry",
-                    retry_after_ms=NONE_UP_PUSHBACK_MS,
-                ) from exc
-            self._preferred = index
-            return Response(answer.status, body, _passed(answer.headers))
+        deadline = trio.current_time() + RELAY_DEADLINE_S
+        for second in (False, True):
+            if second:
+                if trio.current_time() + SECOND_PASS_AFTER_S + ATTEMPT_S > deadline:
+                    break
+                log.warning(
+                    "no JoinService replica took the call; each once more in %g s",
+                    SECOND_PASS_AFTER_S,
+                )
+                await trio.sleep(SECOND_PASS_AFTER_S)
+            for index in self._order():
+                if trio.current_time() >= deadline:
+                    break
+                answer = await self._attempt(index, req, headers, deadline)
+                if answer is not None:
+                    return answer
         raise ControlError(
             "UNAVAILABLE",
             "no JoinService replica answers; retry",
             retry_after_ms=NONE_UP_PUSHBACK_MS,
         )
+
+    async def _attempt(
+        self,
+        index: int,
+        req: Request,
+        headers: list[tuple[bytes, bytes]],
+        deadline: float,
+    ) -> Response | None:
+        """The call on one upstream: its answer, or None when it never reached it."""
+        url = self.upstreams[index] + req.path
+        try:
+            with trio.fail_after(min(ATTEMPT_S, deadline - trio.current_time())):
+                async with self._pool.stream(
+                    "POST",
+                    url,
+                    content=req.body,
+                    headers=headers,
+                    extensions={"timeout": _TIMEOUTS},
+                ) as answer:
+                    body = await _bounded(answer)
+        except _NOT_SENT as exc:  # nothing reached that replica: the next one may
+            self.metrics.relay_not_sent.inc()
+            log.warning("relay to %s failed (%s); trying the next", url, type(exc).__name__)
+            return None
+        except (*_TRANSPORT, _TooLarge, trio.TooSlowError) as exc:
+            # The call may be running there still: sending it to another replica too
+            # could judge it twice (a second node for an untrusted key, a renewal
+            # refused as a replay while the first was issued). The node retries it.
+            self._preferred = (index + 1) % len(self.upstreams)
+            log.warning("relay to %s failed after sending (%s)", url, type(exc).__name__)
+            raise ControlError(
+                "UNAVAILABLE",
+                "the JoinService replica did not answer; retry",
+                retry_after_ms=NONE_UP_PUSHBACK_MS,
+            ) from exc
+        self._preferred = index
+        return Response(answer.status, body, _passed(answer.headers))
 
     async def any_up(self) -> bool:
         """Whether an upstream is ready (its ``/readyz``; asked at most once a second)."""

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import functools
+import logging
 import socket
 import ssl
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -14,8 +16,10 @@ from bcd.attestor_api import hookimpl
 from bcd.config import load_config
 from bcd.errors import ConfigError
 from bcd.plugins import load_plugins
+from control import relay
 from control.errors import ControlError
 from control.http import Request, source_key, source_of
+from control.metrics import Metrics
 from control.proofs import spend_proof
 from control.relay import RelayClient
 from control.store import Store
@@ -85,10 +89,13 @@ def _request() -> Request:
     return Request("POST", "/v1/join", {}, {}, b"{}", None, "192.0.2.1:1")
 
 
-async def _replica(nursery: trio.Nursery, name: str, calls: list[str], answer: bool) -> str:
-    """A replica on loopback (plain HTTP: what is under test is the relay's failover):
-    it records each request it received whole, then answers 200 ``signed`` or, when
-    ``answer`` is False, closes without a word (a replica that died mid-call)."""
+def _peer(
+    name: str, calls: list[str], answer: bool
+) -> Callable[[trio.SocketStream], Awaitable[None]]:
+    """A replica's side of one connection (plain HTTP: what is under test is the
+    relay's failover): it records each request it received whole, then answers 200
+    ``signed`` or, when ``answer`` is False, closes without a word (a replica that died
+    mid-call)."""
 
     async def peer(tcp: trio.SocketStream) -> None:
         got = b""
@@ -99,6 +106,12 @@ async def _replica(nursery: trio.Nursery, name: str, calls: list[str], answer: b
             await tcp.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 6\r\n\r\nsigned")
         await tcp.aclose()
 
+    return peer
+
+
+async def _replica(nursery: trio.Nursery, name: str, calls: list[str], answer: bool) -> str:
+    """A replica on loopback (:func:`_peer`)."""
+    peer = _peer(name, calls, answer)
     listeners = await nursery.start(functools.partial(trio.serve_tcp, peer, 0, host="127.0.0.1"))
     return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
 
@@ -107,6 +120,102 @@ def _closed_port() -> str:
     with socket.socket() as sock:  # bound, never listening: a connect is refused
         sock.bind(("127.0.0.1", 0))
         return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _not_sent(metrics: Metrics) -> float | None:
+    return metrics.registry.get_sample_value("bc_relay_not_sent_total")
+
+
+class _OnSecondPass(logging.Handler):
+    """Runs ``then`` when the relay logs its second pass, before it sleeps."""
+
+    def __init__(self, then: Callable[[], None]) -> None:
+        super().__init__(logging.WARNING)
+        self.then = then
+        self.passes = 0
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "once more" in record.getMessage():
+            self.passes += 1
+            self.then()
+
+
+@pytest.fixture
+def second_pass() -> Iterator[Callable[[Callable[[], None]], _OnSecondPass]]:
+    logger = logging.getLogger("control.relay")
+    added: list[_OnSecondPass] = []
+
+    def watch(then: Callable[[], None]) -> _OnSecondPass:
+        added.append(_OnSecondPass(then))
+        logger.addHandler(added[-1])
+        return added[-1]
+
+    yield watch
+    for handler in added:
+        logger.removeHandler(handler)
+
+
+async def test_a_call_no_replica_took_is_tried_once_more(
+    nursery: trio.Nursery, second_pass: Callable[[Callable[[], None]], _OnSecondPass]
+) -> None:
+    """The only replica refused the connection (its handshakes stalled, it was
+    restarting): nothing was sent, so the gateway tries it once more after 0.5 s
+    instead of answering the node UNAVAILABLE."""
+    calls: list[str] = []
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))  # bound, not listening: refused, until the second pass
+    opened = trio.Event()
+
+    def listen() -> None:
+        sock.listen(8)
+        opened.set()
+
+    async def serve() -> None:
+        await opened.wait()
+        await trio.serve_listeners(_peer("a", calls, True), [trio.SocketListener(sock)])
+
+    nursery.start_soon(serve)
+    seen = second_pass(listen)
+    metrics = Metrics()
+    client = RelayClient(
+        [f"http://127.0.0.1:{sock.getsockname()[1]}"], ssl.create_default_context(), metrics=metrics
+    )
+    answer = await client.forward(_request())
+    assert (answer.status, answer.body, calls, seen.passes) == (200, b"signed", ["a"], 1)
+    assert _not_sent(metrics) == 1
+    await client.aclose()
+
+
+async def test_a_second_pass_no_replica_takes_is_unavailable(
+    second_pass: Callable[[Callable[[], None]], _OnSecondPass],
+) -> None:
+    seen = second_pass(lambda: None)
+    metrics = Metrics()
+    client = RelayClient(
+        [_closed_port(), _closed_port()], ssl.create_default_context(), metrics=metrics
+    )
+    began = trio.current_time()
+    with pytest.raises(ControlError, match="no JoinService replica answers") as unavailable:
+        await client.forward(_request())
+    assert unavailable.value.code == "UNAVAILABLE"
+    assert trio.current_time() - began >= relay.SECOND_PASS_AFTER_S
+    assert (seen.passes, _not_sent(metrics)) == (1, 4)  # each one twice
+    await client.aclose()
+
+
+async def test_no_second_pass_when_a_whole_attempt_would_not_fit(
+    monkeypatch: pytest.MonkeyPatch, second_pass: Callable[[Callable[[], None]], _OnSecondPass]
+) -> None:
+    """The relay's bound on one call (under the node's 30 s) leaves no room for another
+    whole attempt: the node is answered UNAVAILABLE at once, and retries."""
+    monkeypatch.setattr(relay, "RELAY_DEADLINE_S", relay.ATTEMPT_S)
+    seen = second_pass(lambda: None)
+    metrics = Metrics()
+    client = RelayClient([_closed_port()], ssl.create_default_context(), metrics=metrics)
+    with pytest.raises(ControlError, match="no JoinService replica answers"):
+        await client.forward(_request())
+    assert (seen.passes, _not_sent(metrics)) == (0, 1)
+    await client.aclose()
 
 
 async def test_a_call_already_sent_is_not_sent_to_another_replica(nursery: trio.Nursery) -> None:
