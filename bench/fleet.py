@@ -1055,11 +1055,14 @@ class Run:
         grown = counter_deltas(self._counters, gateway_counters(self.roles))
         phase.detail["handshakes"] = {o: grown.get(f"hs:{o}", 0.0) for o in HANDSHAKE_OUTCOMES}
         phase.detail["delivery"] = {k: v for k, v in grown.items() if k.startswith("le:")}
+        phase.detail["relay"] = {k[6:]: v for k, v in grown.items() if k.startswith("relay:")}
         print(
             f"[{phase.name}] {phase.wall_s:.2f} s, errors {errors}, control-plane CPU "
             f"{phase.control_cpu_s():.2f} s ({phase.pg_cpu_s():.2f} s PostgreSQL), "
             f"{phase.xacts} PostgreSQL transactions; the gateways' TLS handshakes: "
-            + ", ".join(f"{k} {v:.0f}" for k, v in phase.detail["handshakes"].items()),
+            + ", ".join(f"{k} {v:.0f}" for k, v in phase.detail["handshakes"].items())
+            + "; relayed calls: "
+            + ", ".join(f"{k} {v:.0f}" for k, v in sorted(phase.detail["relay"].items())),
             flush=True,
         )
         scans = "; ".join(
@@ -1116,8 +1119,10 @@ class Run:
 
 def gateway_counters(roles: Roles) -> dict[str, dict[str, float]]:
     """Each running gateway's counters the run reads (a killed gateway's are gone with
-    it): ``bc_tls_handshakes_total`` of its gateway listener by outcome (``hs:OUTCOME``)
-    and the cumulative buckets of ``bc_revocation_delivery_seconds`` (``le:BOUND``)."""
+    it): ``bc_tls_handshakes_total`` of its gateway listener by outcome (``hs:OUTCOME``),
+    the cumulative buckets of ``bc_revocation_delivery_seconds`` (``le:BOUND``), the
+    relayed calls by outcome and the relay attempts that reached no replica
+    (``relay:answered``, ``relay:unavailable``, ``relay:not-sent``)."""
     out: dict[str, dict[str, float]] = {}
     for i, gw in enumerate(roles.fleet.gateways):
         name = f"gw{i + 1}"
@@ -1137,6 +1142,10 @@ def gateway_counters(roles: Roles) -> dict[str, dict[str, float]]:
                     counts[f"hs:{labels['outcome']}"] = sample.value
                 elif sample.name == "bc_revocation_delivery_seconds_bucket":
                     counts[f"le:{labels['le']}"] = sample.value
+                elif sample.name == "bc_relay_not_sent_total":
+                    counts["relay:not-sent"] = sample.value
+                elif sample.name == "bc_relay_duration_seconds_count":
+                    counts[f"relay:{labels['outcome']}"] = sample.value
     return out
 
 
@@ -1476,6 +1485,8 @@ def figures(
         # the surviving gateways' TLS handshakes over the phase, by outcome
         "reconnect_handshakes": restart.detail.get("handshakes"),
         "reconnect_rate_per_s": [(round(t, 2), round(r, 1)) for t, r in reconnects],
+        # each phase's relayed calls by outcome, and the attempts that reached no replica
+        "relay_by_phase": {name: p.detail.get("relay") for name, p in phases.items()},
         "cpu_total_by_role_s": totals,
         **instruction_figures(phases, floors, joined, renewals, n),
         "revocation_latencies_ms": [round(x * 1000, 1) for x in lat],
@@ -1538,7 +1549,7 @@ FIGURE_KEYS = (
     "renewal_cpu_held_ms", "renewal_cpu_net_ms", "renewal_floor_ratio_net", "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
     "revocation_p99_ms", "revocation_gateway_pushed", "revocation_gateway_p50_ms",
     "revocation_gateway_p99_ms", "revocation_verified_p50_ms", "revocation_verified_p99_ms", "reconnect_time_s",
-    "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s",
+    "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s", "relay_by_phase",
     "cpu_total_by_role_s", "pg_vacuum_runs", "pg_vacuum_cpu_s",
 )  # fmt: skip
 

@@ -64,4 +64,8 @@ def test_every_phase_without_error(tmp_path: Path, skip_renewal: bool) -> None:
     assert figures["reconnect_time_s"] is not None
     # each node that moved completed a handshake on gw2 (bc_tls_handshakes_total)
     assert figures["reconnect_handshakes"]["completed"] >= figures["reconnect_nodes"]
+    # every join went through a gateway's relay, answered, as the gateways counted it
+    join_relay = figures["relay_by_phase"]["join"]
+    assert join_relay["answered"] >= 40, join_relay
+    assert join_relay.get("unavailable", 0) == 0, join_relay
     assert (tmp_path / "fleet-40.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
