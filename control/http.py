@@ -29,6 +29,7 @@ import trio
 
 from bcd.credential import shown
 from bcd.wire import STATUS, dumps
+from control.tlsstream import SocketTLSStream
 
 logger = logging.getLogger("control.http")
 
@@ -507,7 +508,7 @@ async def _connection(
                     return  # no TLS work for a connection whose slot came too late
                 if life.draining.is_set():
                     return  # nor for one in a drain
-                tls = trio.SSLStream(tcp, ssl_context, server_side=True, https_compatible=True)
+                tls = SocketTLSStream(tcp, ssl_context)
                 stream = tls
                 try:
                     with trio.fail_at(deadline):
@@ -517,7 +518,7 @@ async def _connection(
                     on_handshake("timed-out" if isinstance(exc, trio.TooSlowError) else "failed")
                     return
             on_handshake("completed")
-            peer_der = tls.getpeercert(binary_form=True)
+            peer_der = tls.peer_der()
         if ssl_context is not None and peer_der is None:
             idle_timeout = min(idle_timeout, ANONYMOUS_IDLE_TIMEOUT)
         await _serve_http(stream, handler, max_body, peer_der, remote, life, idle_timeout, on_limit)

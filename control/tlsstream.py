@@ -1,0 +1,122 @@
+"""A server-side TLS connection run by OpenSSL on the socket itself, under trio.
+
+``trio.SSLStream`` runs TLS over two memory BIOs: every record it sends or reads goes
+through Python (the ``SSLObject``, the BIOs, trio's ``SocketStream`` and its
+socket wrapper, each a few calls and a checkpoint). On a gateway that is most of the
+CPU of an idle session's ping and much of a handshake's, and its objects a few KB of
+each idle session's memory. Here the connection is a non-blocking
+:class:`ssl.SSLSocket` instead: OpenSSL reads and writes the socket itself, one C call
+per operation, and trio is asked only to wait until the socket is ready
+(:func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable`).
+docs/decisions.md ("TLS on the socket") has the measurements.
+
+What it keeps of ``trio.SSLStream(..., server_side=True, https_compatible=True)``,
+which it replaces in :mod:`control.http`: the :class:`trio.abc.Stream` interface
+(each operation a checkpoint; a send and a receive may run at once in two tasks, two
+sends or two receives may not); an end of the connection without ``close_notify`` is
+an end like any other (a ragged EOF: HTTP frames its own ends); :meth:`aclose` sends
+no ``close_notify``; a TLS or socket failure is :class:`trio.BrokenResourceError`.
+The server context refuses TLS 1.2 renegotiation (``OP_NO_RENEGOTIATION``,
+:func:`control.pkitls.server_ssl_context`), so a write never has to read; should OpenSSL
+still ask one direction to wait for the readiness the other one waits for, it polls
+every :data:`CROSS_WAIT_S`.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
+CROSS_WAIT_S = 0.01
+DEFAULT_RECEIVE = 65536
+_T = TypeVar("_T")
+
+
+class SocketTLSStream(trio.abc.Stream):
+    """One accepted connection's TLS, server side (see the module's note)."""
+
+    def __init__(self, tcp: trio.SocketStream, ctx: ssl.SSLContext) -> None:
+        # the descriptor moves from trio's socket object to the TLS socket: one owner
+        raw = socket.socket(fileno=tcp.socket.detach())
+        raw.setblocking(False)
+        self._sock = ctx.wrap_socket(
+            raw, server_side=True, do_handshake_on_connect=False, suppress_ragged_eofs=True
+        )
+        self._closed = False
+        self._sending = False
+        self._receiving = False
+
+    async def do_handshake(self) -> None:
+        await self._run(self._sock.do_handshake)
+
+    def peer_der(self) -> bytes | None:
+        """The client's certificate (DER) after the handshake; None without one."""
+        return None if self._closed else self._sock.getpeercert(binary_form=True)
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this connection")
+        self._receiving = True
+        try:
+            return await self._run(self._sock.recv, max_bytes or DEFAULT_RECEIVE)
+        finally:
+            self._receiving = False
+
+    async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this connection")
+        self._sending = True
+        try:
+            with memoryview(data) as view:
+                if not view:
+                    if self._closed:
+                        raise trio.ClosedResourceError("the connection was closed")
+                    await trio.lowlevel.checkpoint()
+                while view:
+                    sent = await self._run(self._sock.send, view)
+                    view = view[sent:]
+        finally:
+            self._sending = False
+
+    async def wait_send_all_might_not_block(self) -> None:
+        if self._closed:
+            raise trio.ClosedResourceError
+        await trio.lowlevel.wait_writable(self._sock)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            trio.lowlevel.notify_closing(self._sock)  # a task waiting on it gets Closed...
+            self._sock.close()  # no close_notify: as https_compatible=True
+        await trio.lowlevel.checkpoint()
+
+    async def _run(self, op: Callable[..., _T], *args: object) -> _T:
+        """``op`` until it neither wants to read nor to write, as a checkpoint."""
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while True:
+            if self._closed:
+                raise trio.ClosedResourceError("the connection was closed")
+            try:
+                done = op(*args)
+            except ssl.SSLWantReadError:
+                await self._wait(trio.lowlevel.wait_readable)
+                continue
+            except ssl.SSLWantWriteError:
+                await self._wait(trio.lowlevel.wait_writable)
+                continue
+            except (ssl.SSLError, OSError) as exc:
+                raise trio.BrokenResourceError(f"TLS connection broken: {exc}") from exc
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return done
+
+    async def _wait(self, wait: Callable[[ssl.SSLSocket], Awaitable[None]]) -> None:
+        try:
+            await wait(self._sock)
+        except trio.BusyResourceError:  # the other direction waits on the same readiness
+            await trio.sleep(CROSS_WAIT_S)
+        except trio.ClosedResourceError:
+            raise trio.ClosedResourceError("the connection was closed") from None
