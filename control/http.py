@@ -508,9 +508,9 @@ async def _connection(
                     return  # no TLS work for a connection whose slot came too late
                 if life.draining.is_set():
                     return  # nor for one in a drain
-                tls = SocketTLSStream(tcp, ssl_context)
-                stream = tls
                 try:
+                    tls = SocketTLSStream(tcp, ssl_context)
+                    stream = tls
                     with trio.fail_at(deadline):
                         await tls.do_handshake()
                 except (*_GONE, OSError) as exc:

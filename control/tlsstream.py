@@ -42,16 +42,27 @@ class SocketTLSStream(trio.abc.Stream):
     def __init__(self, tcp: trio.SocketStream, ctx: ssl.SSLContext) -> None:
         # the descriptor moves from trio's socket object to the TLS socket: one owner
         raw = socket.socket(fileno=tcp.socket.detach())
-        raw.setblocking(False)
-        self._sock = ctx.wrap_socket(
-            raw, server_side=True, do_handshake_on_connect=False, suppress_ragged_eofs=True
-        )
+        try:
+            raw.setblocking(False)
+            self._sock = ctx.wrap_socket(
+                raw, server_side=True, do_handshake_on_connect=False, suppress_ragged_eofs=True
+            )
+        except (OSError, ValueError) as exc:  # the client already gone, say
+            raw.close()
+            raise trio.BrokenResourceError(f"TLS connection broken: {exc}") from exc
         self._closed = False
+        self._handshook = False
         self._sending = False
         self._receiving = False
 
     async def do_handshake(self) -> None:
-        await self._run(self._sock.do_handshake)
+        """The handshake, once; a send or a receive before it does it first (an
+        ``SSLSocket`` that never handshook would read and write in the clear)."""
+        if not self._handshook:
+            await self._run(self._sock.do_handshake)
+            self._handshook = True
+        else:
+            await trio.lowlevel.checkpoint()
 
     def peer_der(self) -> bytes | None:
         """The client's certificate (DER) after the handshake; None without one."""
@@ -62,6 +73,8 @@ class SocketTLSStream(trio.abc.Stream):
             raise trio.BusyResourceError("another task is receiving on this connection")
         self._receiving = True
         try:
+            if not self._handshook:
+                await self.do_handshake()
             return await self._run(self._sock.recv, max_bytes or DEFAULT_RECEIVE)
         finally:
             self._receiving = False
@@ -71,6 +84,8 @@ class SocketTLSStream(trio.abc.Stream):
             raise trio.BusyResourceError("another task is sending on this connection")
         self._sending = True
         try:
+            if not self._handshook:
+                await self.do_handshake()
             with memoryview(data) as view:
                 if not view:
                     if self._closed:

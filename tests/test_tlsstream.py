@@ -3,6 +3,7 @@ on loopback with real certificates (tests/test_http.py's material)."""
 
 from __future__ import annotations
 
+import os
 import ssl
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -16,6 +17,8 @@ from trio.testing import wait_all_tasks_blocked
 from control.pkitls import server_ssl_context
 from control.tlsstream import SocketTLSStream
 from tests.test_http import _key_pem, _pem, material, server_context
+
+_RESET = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close with an RST
 
 
 def _client_context(tmp_path: Path, with_cert: bool = True) -> ssl.SSLContext:
@@ -148,9 +151,7 @@ async def test_a_peer_that_does_not_speak_tls_breaks_the_handshake(tmp_path: Pat
 
 async def test_a_reset_is_an_end_and_a_send_after_it_broken(tmp_path: Path) -> None:
     async with _pair(tmp_path) as (server, tcp, _client):
-        tcp.socket.setsockopt(
-            trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00"
-        )
+        tcp.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, _RESET)
         await tcp.aclose()  # linger 0: an RST
         assert await server.receive_some() == b""  # an end, as a ragged one is
         with pytest.raises(trio.BrokenResourceError, match="TLS connection broken"):
@@ -163,3 +164,44 @@ def test_the_server_context_refuses_renegotiation(tmp_path: Path) -> None:
     m = material()
     ctx = server_ssl_context(_pem(m.leaf, m.ca), m.leaf_key, _pem(m.ca))
     assert ctx.options & ssl.OP_NO_RENEGOTIATION
+
+
+async def test_a_receive_before_the_handshake_does_it_first(tmp_path: Path) -> None:
+    """Never a read in the clear: the first receive handshakes, then decrypts."""
+    async with _pair(tmp_path, handshake=False) as (server, _tcp, client):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(client.send_all, b"sealed")
+            assert await server.receive_some() == b"sealed"
+        assert server.peer_der() is not None
+
+
+async def _wrap_and_handshake(tcp: trio.SocketStream, ctx: ssl.SSLContext) -> None:
+    server = SocketTLSStream(tcp, ctx)
+    try:
+        await server.do_handshake()
+    finally:
+        await server.aclose()
+
+
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+async def test_a_client_gone_before_its_tls_leaves_no_descriptor(tmp_path: Path) -> None:
+    """A client that reset its connection before the server wrapped it: broken, at
+    construction or at the handshake, and its descriptor closed either way."""
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    port = listeners[0].socket.getsockname()[1]
+    ctx = server_context(tmp_path)
+    before = _open_fds()
+    for _ in range(20):
+        tcp = await trio.open_tcp_stream("127.0.0.1", port)
+        accepted = await listeners[0].accept()
+        tcp.socket.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_LINGER, _RESET)
+        await tcp.aclose()
+        await trio.sleep(0.01)
+        with pytest.raises(trio.BrokenResourceError, match="TLS connection broken"):
+            await _wrap_and_handshake(accepted, ctx)
+        await accepted.aclose()
+    assert _open_fds() == before
+    await listeners[0].aclose()
