@@ -19,7 +19,6 @@ hostile test passes its own ``httpx.AsyncBaseTransport`` instead.
 
 from __future__ import annotations
 
-import select
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from typing import Any
@@ -34,6 +33,7 @@ from bcd.gatewayclient import GatewayClient
 from bcd.helper.nodekeys import HelperKeys
 from bcd.identity import AnyState
 from bcd.keys.node import SignerMaterial, node_key_of
+from bcd.netstream import NetworkStream
 from bcd.servingca import replace_stale, serving_ca
 from bcd.tls import Anchor, connect_pinned
 
@@ -45,74 +45,6 @@ CONNECT_TIMEOUT_S = 15.0
 # httpcore wants an SSLContext for an https origin (it sets ALPN on it); the dial
 # does the TLS itself, so this one is never used for a handshake.
 _UNUSED_CONTEXT = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
-
-
-def _fileno_of(stream: trio.abc.Stream) -> int | None:
-    """The file descriptor under ``stream`` (an SSLStream's socket, tlslite's socket)."""
-    inner: Any = stream
-    while isinstance(inner, trio.SSLStream):
-        inner = inner.transport_stream
-    sock = inner.socket if isinstance(inner, trio.SocketStream) else getattr(inner, "socket", None)
-    fileno = getattr(sock, "fileno", None)
-    if fileno is None:
-        return None
-    try:
-        fd = fileno()
-    except OSError:
-        return None
-    return fd if isinstance(fd, int) and fd >= 0 else None
-
-
-class _Stream(httpcore.AsyncNetworkStream):
-    """A dialled trio stream as httpcore's network stream (its TLS is already done)."""
-
-    def __init__(self, stream: trio.abc.Stream) -> None:
-        self._stream = stream
-
-    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
-        try:
-            with trio.fail_after(timeout if timeout is not None else float("inf")):
-                return bytes(await self._stream.receive_some(max_bytes))
-        except trio.TooSlowError as exc:
-            raise httpcore.ReadTimeout(str(exc)) from exc
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise httpcore.ReadError(str(exc)) from exc
-
-    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
-        if not buffer:
-            return
-        try:
-            with trio.fail_after(timeout if timeout is not None else float("inf")):
-                await self._stream.send_all(buffer)
-        except trio.TooSlowError as exc:
-            raise httpcore.WriteTimeout(str(exc)) from exc
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise httpcore.WriteError(str(exc)) from exc
-
-    async def aclose(self) -> None:
-        await trio.aclose_forcefully(self._stream)
-
-    async def start_tls(
-        self,
-        ssl_context: ssl.SSLContext,
-        server_hostname: str | None = None,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
-    ) -> httpcore.AsyncNetworkStream:
-        return self  # the dial handshook and pinned already
-
-    def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable":  # an idle connection the gateway closed is not reused
-            fd = _fileno_of(self._stream)
-            if fd is None:
-                return True
-            try:
-                readable, _, _ = select.select([fd], [], [], 0)
-            except (OSError, ValueError):
-                return True
-            return bool(readable)
-        if info == "ssl_object":
-            return getattr(self._stream, "_ssl_object", None)
-        return None
 
 
 class _DialBackend(httpcore.AsyncNetworkBackend):
@@ -127,7 +59,7 @@ class _DialBackend(httpcore.AsyncNetworkBackend):
         local_address: str | None = None,
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
-        return _Stream(await self._dial(host, port))
+        return NetworkStream(await self._dial(host, port))
 
     async def connect_unix_socket(  # pragma: no cover - the gateway is TCP only
         self,

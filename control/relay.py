@@ -39,18 +39,22 @@ import base64
 import binascii
 import dataclasses
 import logging
+import math
 import ssl
-from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import httpcore
 import trio
 
+from bcd.netstream import NetworkStream
 from control import discovery, nodefacts
 from control.errors import ControlError
 from control.gatewaypki import GatewayBundle, is_relay_certificate
 from control.http import Request, Response, error_response
 from control.metrics import Metrics
 from control.pki import load_chain
+from control.tlsstream import SocketTLSStream
 
 log = logging.getLogger("control.relay")
 
@@ -84,8 +88,75 @@ def client_context(bundle: GatewayBundle) -> ssl.SSLContext:
     ctx.verify_flags |= ssl.VERIFY_X509_STRICT  # no PARTIAL_CHAIN: the serving CA anchors
     ctx.load_verify_locations(cadata=bundle.serving_ca_pem)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_RENEGOTIATION  # a write never has to read (control.tlsstream)
     load_chain(ctx, bundle.relay_chain_pem, bundle.relay_key)
     return ctx
+
+
+class _PlainStream(NetworkStream):
+    """A relay connection before its TLS: ``start_tls`` runs it on the socket itself
+    (:class:`control.tlsstream.SocketTLSStream`), not over httpcore's trio backend's
+    ``trio.SSLStream``. Its failures are httpcore's connect errors, so the call moves
+    on as one that was never sent."""
+
+    def __init__(self, tcp: trio.SocketStream) -> None:
+        super().__init__(tcp)
+        self._tcp = tcp
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+    ) -> httpcore.AsyncNetworkStream:
+        if server_hostname is None:
+            raise httpcore.ConnectError("a relay upstream needs a host name")
+        try:
+            tls = SocketTLSStream(self._tcp, ssl_context, server_hostname=server_hostname)
+        except trio.BrokenResourceError as exc:
+            raise httpcore.ConnectError(str(exc)) from exc
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                await tls.do_handshake()
+        except trio.TooSlowError as exc:
+            await tls.aclose()
+            raise httpcore.ConnectTimeout("the relay's TLS handshake timed out") from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            await tls.aclose()
+            raise httpcore.ConnectError(str(exc)) from exc
+        return NetworkStream(tls)
+
+
+class _Backend(httpcore.AsyncNetworkBackend):
+    """TCP by trio, TLS by :class:`_PlainStream`."""
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        try:
+            with trio.fail_after(math.inf if timeout is None else timeout):
+                tcp = await trio.open_tcp_stream(host, port)
+        except trio.TooSlowError as exc:
+            raise httpcore.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
+        except OSError as exc:
+            raise httpcore.ConnectError(f"connecting to {host}:{port}: {exc}") from exc
+        return _PlainStream(tcp)
+
+    async def connect_unix_socket(
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("a relay upstream is reached over TCP only")
+
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)
 
 
 class RelayClient:
@@ -115,6 +186,7 @@ class RelayClient:
             max_connections=64,
             max_keepalive_connections=64,  # all of them: no handshake churn under load
             keepalive_expiry=KEEPALIVE_S,
+            network_backend=_Backend(),
         )
         self._up_checked_at = -1e9
         self._up = False

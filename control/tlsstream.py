@@ -1,23 +1,23 @@
-"""A server-side TLS connection run by OpenSSL on the socket itself, under trio.
+"""A TLS connection run by OpenSSL on the socket itself, under trio.
 
 ``trio.SSLStream`` runs TLS over two memory BIOs: every record it sends or reads goes
 through Python (the ``SSLObject``, the BIOs, trio's ``SocketStream`` and its
 socket wrapper, each a few calls and a checkpoint). On a gateway that is most of the
-CPU of an idle session's ping and much of a handshake's, and its objects a few KB of
-each idle session's memory. Here the connection is a non-blocking
-:class:`ssl.SSLSocket` instead: OpenSSL reads and writes the socket itself, one C call
-per operation, and trio is asked only to wait until the socket is ready
-(:func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable`).
+CPU of an idle session's ping and much of a handshake's. Here the connection is a
+non-blocking :class:`ssl.SSLSocket` instead: OpenSSL reads and writes the socket
+itself, one C call per operation, and trio is asked only to wait until the socket is
+ready (:func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable`).
 docs/decisions.md ("TLS on the socket") has the measurements.
 
-What it keeps of ``trio.SSLStream(..., server_side=True, https_compatible=True)``,
-which it replaces in :mod:`control.http`: the :class:`trio.abc.Stream` interface
-(each operation a checkpoint; a send and a receive may run at once in two tasks, two
-sends or two receives may not); an end of the connection without ``close_notify`` is
-an end like any other (a ragged EOF: HTTP frames its own ends); :meth:`aclose` sends
-no ``close_notify``; a TLS or socket failure is :class:`trio.BrokenResourceError`.
-The server context refuses TLS 1.2 renegotiation (``OP_NO_RENEGOTIATION``,
-:func:`control.pkitls.server_ssl_context`), so a write never has to read; should OpenSSL
+What it keeps of ``trio.SSLStream(..., https_compatible=True)``, which it replaces in
+:mod:`control.http` (every listener) and :mod:`control.relay` (the gateway's client):
+the :class:`trio.abc.Stream` interface (each operation a checkpoint; a send and a
+receive may run at once in two tasks, two sends or two receives may not); an end of
+the connection without ``close_notify`` is an end like any other (a ragged EOF: HTTP
+frames its own ends); :meth:`aclose` sends no ``close_notify``; a TLS or socket
+failure is :class:`trio.BrokenResourceError`. Both contexts refuse TLS 1.2
+renegotiation (``OP_NO_RENEGOTIATION``: :func:`control.pkitls.server_ssl_context`,
+:func:`control.relay.client_context`), so a write never has to read; should OpenSSL
 still ask one direction to wait for the readiness the other one waits for, it polls
 every :data:`CROSS_WAIT_S`.
 """
@@ -37,15 +37,23 @@ _T = TypeVar("_T")
 
 
 class SocketTLSStream(trio.abc.Stream):
-    """One accepted connection's TLS, server side (see the module's note)."""
+    """One connection's TLS (see the module's note): an accepted one's, server side, or
+    with ``server_hostname`` a client's (the name ``ctx`` checks the server's
+    certificate for, when it checks host names)."""
 
-    def __init__(self, tcp: trio.SocketStream, ctx: ssl.SSLContext) -> None:
+    def __init__(
+        self, tcp: trio.SocketStream, ctx: ssl.SSLContext, *, server_hostname: str | None = None
+    ) -> None:
         # the descriptor moves from trio's socket object to the TLS socket: one owner
         raw = socket.socket(fileno=tcp.socket.detach())
         try:
             raw.setblocking(False)
             self._sock = ctx.wrap_socket(
-                raw, server_side=True, do_handshake_on_connect=False, suppress_ragged_eofs=True
+                raw,
+                server_side=server_hostname is None,
+                server_hostname=server_hostname,
+                do_handshake_on_connect=False,
+                suppress_ragged_eofs=True,
             )
         except (OSError, ValueError) as exc:  # the client already gone, say
             raw.close()
@@ -63,6 +71,10 @@ class SocketTLSStream(trio.abc.Stream):
             self._handshook = True
         else:
             await trio.lowlevel.checkpoint()
+
+    def fileno(self) -> int:
+        """The socket's descriptor (-1 once closed): for a readiness check."""
+        return self._sock.fileno()
 
     def peer_der(self) -> bytes | None:
         """The client's certificate (DER) after the handshake; None without one."""

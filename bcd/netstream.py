@@ -1,0 +1,84 @@
+"""A trio stream as httpcore's network stream (the node's transport, the relay's)."""
+
+from __future__ import annotations
+
+import select
+import ssl
+from typing import Any
+
+import httpcore
+import trio
+
+
+def _fileno_of(stream: trio.abc.Stream) -> int | None:
+    """The file descriptor under ``stream`` (its own ``fileno()``, an SSLStream's
+    socket, tlslite's socket)."""
+    own = getattr(stream, "fileno", None)
+    if callable(own):
+        fd = own()
+        return fd if isinstance(fd, int) and fd >= 0 else None
+    inner: Any = stream
+    while isinstance(inner, trio.SSLStream):
+        inner = inner.transport_stream
+    sock = inner.socket if isinstance(inner, trio.SocketStream) else getattr(inner, "socket", None)
+    fileno = getattr(sock, "fileno", None)
+    if fileno is None:
+        return None
+    try:
+        fd = fileno()
+    except OSError:
+        return None
+    return fd if isinstance(fd, int) and fd >= 0 else None
+
+
+class NetworkStream(httpcore.AsyncNetworkStream):
+    """A trio stream as httpcore's network stream, its TLS done by whoever opened it
+    (the node's dial; :mod:`control.relay`'s backend does its own in ``start_tls``)."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:  # noqa: ASYNC109
+        try:
+            with trio.fail_after(timeout if timeout is not None else float("inf")):
+                return bytes(await self._stream.receive_some(max_bytes))
+        except trio.TooSlowError as exc:
+            raise httpcore.ReadTimeout(str(exc)) from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise httpcore.ReadError(str(exc)) from exc
+
+    async def write(self, buffer: bytes, timeout: float | None = None) -> None:  # noqa: ASYNC109
+        if not buffer:
+            return
+        try:
+            with trio.fail_after(timeout if timeout is not None else float("inf")):
+                await self._stream.send_all(buffer)
+        except trio.TooSlowError as exc:
+            raise httpcore.WriteTimeout(str(exc)) from exc
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise httpcore.WriteError(str(exc)) from exc
+
+    async def aclose(self) -> None:
+        await trio.aclose_forcefully(self._stream)
+
+    async def start_tls(
+        self,
+        ssl_context: ssl.SSLContext,
+        server_hostname: str | None = None,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+    ) -> httpcore.AsyncNetworkStream:
+        return self  # the dial handshook and pinned already
+
+    def get_extra_info(self, info: str) -> Any:
+        if info == "is_readable":  # an idle connection the gateway closed is not reused
+            fd = _fileno_of(self._stream)
+            if fd is None:
+                return True
+            try:
+                readable, _, _ = select.select([fd], [], [], 0)
+            except (OSError, ValueError):
+                return True
+            return bool(readable)
+        if info == "ssl_object":
+            return getattr(self._stream, "_ssl_object", None)
+        return None
