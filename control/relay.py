@@ -25,9 +25,10 @@ or TLS failure, no free connection within :data:`POOL_TIMEOUT_S`) moves to the n
 one; when it reached none, every one is tried once more after
 :data:`SECOND_PASS_AFTER_S` (a replica whose handshakes stalled for a moment, the
 only one of a small fleet restarting), if a whole attempt still fits in
-:data:`RELAY_DEADLINE_S`, the relay's bound on one call, under the node's 30 s. A call that may have reached one (a reset or a close after it was sent, no
-whole answer within :data:`ATTEMPT_S`) is never sent to another, since the first may
-still be judging it: it is answered ``UNAVAILABLE`` with ``retry-pushback-ms`` and the
+:data:`RELAY_DEADLINE_S`, the relay's bound on one call, under the node's 30 s (no
+attempt starts with less than :data:`MIN_ATTEMPT_S` of it left). A call that may
+have reached one (a reset or a close after it was sent, no whole answer within
+:data:`ATTEMPT_S`) is never sent to another, since the first may still be judging it: it is answered ``UNAVAILABLE`` with ``retry-pushback-ms`` and the
 next upstream becomes the preferred one; the node's own retry, with the same CSR,
 is answered again by JoinService's lost-answer rule. When none answers:
 ``UNAVAILABLE`` with ``retry-pushback-ms``.
@@ -75,6 +76,7 @@ KEEPALIVE_S = 5.0  # an idle connection to a replica is closed after this
 ATTEMPT_S = 12.0  # one upstream's whole answer; then the next one, within the node's 30 s
 RELAY_DEADLINE_S = 25.0  # one relayed call, every attempt and pass; the node waits 30 s
 SECOND_PASS_AFTER_S = 0.5  # when no upstream took the call; then each once more
+MIN_ATTEMPT_S = 5.0  # no attempt starts with less of RELAY_DEADLINE_S left
 HEALTH_TIMEOUT_S = 2.0
 _PASSED_HEADERS = ("content-type", "retry-pushback-ms")
 
@@ -119,11 +121,14 @@ class _PlainStream(NetworkStream):
             with trio.fail_after(math.inf if timeout is None else timeout):
                 await tls.do_handshake()
         except trio.TooSlowError as exc:
-            await tls.aclose()
+            tls.close()
             raise httpcore.ConnectTimeout("the relay's TLS handshake timed out") from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
-            await tls.aclose()
+            tls.close()
             raise httpcore.ConnectError(str(exc)) from exc
+        except BaseException:  # cancelled (the attempt's bound, the node gone): no leak
+            tls.close()
+            raise
         return NetworkStream(tls)
 
 
@@ -220,8 +225,8 @@ class RelayClient:
                 )
                 await trio.sleep(SECOND_PASS_AFTER_S)
             for index in self._order():
-                if trio.current_time() >= deadline:
-                    break
+                if deadline - trio.current_time() < MIN_ATTEMPT_S:
+                    break  # too little time left to judge a call: the node retries it
                 answer = await self._attempt(index, req, headers, deadline)
                 if answer is not None:
                     return answer
@@ -241,7 +246,7 @@ class RelayClient:
         """The call on one upstream: its answer, or None when it never reached it."""
         url = self.upstreams[index] + req.path
         try:
-            with trio.fail_after(min(ATTEMPT_S, deadline - trio.current_time())):
+            with trio.fail_at(min(trio.current_time() + ATTEMPT_S, deadline)):
                 async with self._pool.stream(
                     "POST",
                     url,

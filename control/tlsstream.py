@@ -48,6 +48,9 @@ class SocketTLSStream(trio.abc.Stream):
         raw = socket.socket(fileno=tcp.socket.detach())
         try:
             raw.setblocking(False)
+            # a client already gone fails here, while ``raw`` still owns the descriptor
+            # (a wrap that finds it gone may raise after taking it over)
+            raw.getpeername()
             self._sock = ctx.wrap_socket(
                 raw,
                 server_side=server_hostname is None,
@@ -59,6 +62,7 @@ class SocketTLSStream(trio.abc.Stream):
             raw.close()
             raise trio.BrokenResourceError(f"TLS connection broken: {exc}") from exc
         self._closed = False
+        self._broken = False  # a send failed or was cancelled mid-record
         self._handshook = False
         self._sending = False
         self._receiving = False
@@ -94,6 +98,8 @@ class SocketTLSStream(trio.abc.Stream):
     async def send_all(self, data: bytes | bytearray | memoryview) -> None:
         if self._sending:
             raise trio.BusyResourceError("another task is sending on this connection")
+        if self._broken:
+            raise trio.BrokenResourceError("an earlier send on this connection failed")
         self._sending = True
         try:
             if not self._handshook:
@@ -106,6 +112,11 @@ class SocketTLSStream(trio.abc.Stream):
                 while view:
                     sent = await self._run(self._sock.send, view)
                     view = view[sent:]
+        except BaseException:
+            # a record OpenSSL began may be half written: another send would splice
+            # its bytes into it (the retry may move), so no send follows, as in trio
+            self._broken = True
+            raise
         finally:
             self._sending = False
 
@@ -114,11 +125,15 @@ class SocketTLSStream(trio.abc.Stream):
             raise trio.ClosedResourceError
         await trio.lowlevel.wait_writable(self._sock)
 
-    async def aclose(self) -> None:
+    def close(self) -> None:
+        """Close at once (no checkpoint): for a cleanup that must not wait."""
         if not self._closed:
             self._closed = True
             trio.lowlevel.notify_closing(self._sock)  # a task waiting on it gets Closed...
             self._sock.close()  # no close_notify: as https_compatible=True
+
+    async def aclose(self) -> None:
+        self.close()
         await trio.lowlevel.checkpoint()
 
     async def _run(self, op: Callable[..., _T], *args: object) -> _T:

@@ -205,3 +205,16 @@ async def test_a_client_gone_before_its_tls_leaves_no_descriptor(tmp_path: Path)
         await accepted.aclose()
     assert _open_fds() == before
     await listeners[0].aclose()
+
+
+async def test_no_send_after_one_was_cancelled_mid_record(tmp_path: Path) -> None:
+    """A send cancelled while the socket was full may leave a record half written; a
+    later send would splice into it, so it is refused; receiving goes on."""
+    async with _pair(tmp_path) as (server, _tcp, client):
+        with trio.move_on_after(0.2) as scope:
+            await server.send_all(b"x" * (16 << 20))  # the client reads none of it
+        assert scope.cancelled_caught
+        with pytest.raises(trio.BrokenResourceError, match="an earlier send"):
+            await server.send_all(b"next")
+        await client.send_all(b"still heard")
+        assert await server.receive_some() == b"still heard"
