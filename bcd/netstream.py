@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import select
 import ssl
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
 import httpcore
@@ -82,3 +83,36 @@ class NetworkStream(httpcore.AsyncNetworkStream):
         if info == "ssl_object":
             return getattr(self._stream, "_ssl_object", None)
         return None
+
+
+Connect = Callable[[str, int, "float | None"], Awaitable[httpcore.AsyncNetworkStream]]
+"""Open a connection to (host, port) within a connect timeout (None: the caller's own)."""
+
+
+class TcpBackend(httpcore.AsyncNetworkBackend):
+    """httpcore's network backend over ``connect``: TCP only (the node's dial, the
+    relay's own TLS)."""
+
+    def __init__(self, connect: Connect) -> None:
+        self._connect = connect
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        return await self._connect(host, port, timeout)
+
+    async def connect_unix_socket(  # pragma: no cover - TCP only
+        self,
+        path: str,
+        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        raise httpcore.ConnectError("reached over TCP only")
+
+    async def sleep(self, seconds: float) -> None:
+        await trio.sleep(seconds)

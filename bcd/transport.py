@@ -19,8 +19,9 @@ hostile test passes its own ``httpx.AsyncBaseTransport`` instead.
 
 from __future__ import annotations
 
+import functools
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpcore
@@ -33,7 +34,7 @@ from bcd.gatewayclient import GatewayClient
 from bcd.helper.nodekeys import HelperKeys
 from bcd.identity import AnyState
 from bcd.keys.node import SignerMaterial, node_key_of
-from bcd.netstream import NetworkStream
+from bcd.netstream import NetworkStream, TcpBackend
 from bcd.servingca import replace_stale, serving_ca
 from bcd.tls import Anchor, connect_pinned
 
@@ -47,30 +48,13 @@ CONNECT_TIMEOUT_S = 15.0
 _UNUSED_CONTEXT = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
 
 
-class _DialBackend(httpcore.AsyncNetworkBackend):
-    def __init__(self, dial: Dial) -> None:
-        self._dial = dial
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        return NetworkStream(await self._dial(host, port))
-
-    async def connect_unix_socket(  # pragma: no cover - the gateway is TCP only
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise TransportError("the gateway is reached over TCP only")
-
-    async def sleep(self, seconds: float) -> None:
-        await trio.sleep(seconds)
+async def _dialled(
+    dial: Dial,
+    host: str,
+    port: int,
+    timeout: float | None,  # noqa: ASYNC109 - the dial has its own
+) -> httpcore.AsyncNetworkStream:
+    return NetworkStream(await dial(host, port))
 
 
 class _Body(httpx.AsyncByteStream):
@@ -100,7 +84,7 @@ class DialTransport(httpx.AsyncBaseTransport):
             http1=True,
             http2=False,
             retries=0,
-            network_backend=_DialBackend(dial),
+            network_backend=TcpBackend(functools.partial(_dialled, dial)),
         )
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:

@@ -42,13 +42,12 @@ import dataclasses
 import logging
 import math
 import ssl
-from collections.abc import AsyncIterable, Awaitable, Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import AsyncIterable, Awaitable, Callable, Sequence
 
 import httpcore
 import trio
 
-from bcd.netstream import NetworkStream
+from bcd.netstream import NetworkStream, TcpBackend
 from control import discovery, nodefacts
 from control.errors import ControlError
 from control.gatewaypki import GatewayBundle, is_relay_certificate
@@ -132,36 +131,20 @@ class _PlainStream(NetworkStream):
         return NetworkStream(tls)
 
 
-class _Backend(httpcore.AsyncNetworkBackend):
-    """TCP by trio, TLS by :class:`_PlainStream`."""
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
-        local_address: str | None = None,
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        try:
-            with trio.fail_after(math.inf if timeout is None else timeout):
-                tcp = await trio.open_tcp_stream(host, port)
-        except trio.TooSlowError as exc:
-            raise httpcore.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
-        except OSError as exc:
-            raise httpcore.ConnectError(f"connecting to {host}:{port}: {exc}") from exc
-        return _PlainStream(tcp)
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
-        socket_options: Iterable[Any] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise httpcore.ConnectError("a relay upstream is reached over TCP only")
-
-    async def sleep(self, seconds: float) -> None:
-        await trio.sleep(seconds)
+async def _connect(
+    host: str,
+    port: int,
+    timeout: float | None,  # noqa: ASYNC109 - httpcore's connect timeout
+) -> httpcore.AsyncNetworkStream:
+    """TCP by trio; the TLS is :class:`_PlainStream`'s."""
+    try:
+        with trio.fail_after(math.inf if timeout is None else timeout):
+            tcp = await trio.open_tcp_stream(host, port)
+    except trio.TooSlowError as exc:
+        raise httpcore.ConnectTimeout(f"connecting to {host}:{port} timed out") from exc
+    except OSError as exc:
+        raise httpcore.ConnectError(f"connecting to {host}:{port}: {exc}") from exc
+    return _PlainStream(tcp)
 
 
 class RelayClient:
@@ -191,7 +174,7 @@ class RelayClient:
             max_connections=64,
             max_keepalive_connections=64,  # all of them: no handshake churn under load
             keepalive_expiry=KEEPALIVE_S,
-            network_backend=_Backend(),
+            network_backend=TcpBackend(_connect),
         )
         self._up_checked_at = -1e9
         self._up = False
