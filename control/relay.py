@@ -110,7 +110,8 @@ class _PlainStream(NetworkStream):
         server_hostname: str | None = None,
         timeout: float | None = None,  # noqa: ASYNC109 - httpcore's interface
     ) -> httpcore.AsyncNetworkStream:
-        if server_hostname is None:
+        if server_hostname is None:  # httpcore passes the origin's host for https
+            await trio.aclose_forcefully(self._tcp)
             raise httpcore.ConnectError("a relay upstream needs a host name")
         try:
             tls = SocketTLSStream(self._tcp, ssl_context, server_hostname=server_hostname)

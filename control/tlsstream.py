@@ -81,7 +81,7 @@ class SocketTLSStream(trio.abc.Stream):
         return self._sock.fileno()
 
     def peer_der(self) -> bytes | None:
-        """The client's certificate (DER) after the handshake; None without one."""
+        """The peer's certificate (DER) after the handshake; None without one."""
         return None if self._closed else self._sock.getpeercert(binary_form=True)
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
