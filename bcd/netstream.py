@@ -71,15 +71,18 @@ class NetworkStream(httpcore.AsyncNetworkStream):
         return self  # the dial handshook and pinned already
 
     def get_extra_info(self, info: str) -> Any:
-        if info == "is_readable":  # an idle connection the gateway closed is not reused
+        if info == "is_readable":  # an idle connection the peer closed is not reused
             fd = _fileno_of(self._stream)
             if fd is None:
                 return True
+            # poll, not select: a gateway's relay connections have descriptors far
+            # above select's 1,024, and each would read as closed, never reused
+            poller = select.poll()
             try:
-                readable, _, _ = select.select([fd], [], [], 0)
+                poller.register(fd, select.POLLIN)
+                return bool(poller.poll(0))
             except (OSError, ValueError):
                 return True
-            return bool(readable)
         if info == "ssl_object":
             return getattr(self._stream, "_ssl_object", None)
         return None

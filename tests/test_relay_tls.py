@@ -5,6 +5,7 @@ connection, and an upstream whose certificate does not verify never receives it.
 from __future__ import annotations
 
 import functools
+import os
 import ssl
 from pathlib import Path
 
@@ -73,3 +74,24 @@ async def test_an_upstream_whose_certificate_does_not_verify_is_never_sent_the_c
     assert (answer.status, answer.body, calls, seen) == (200, b"signed", ["good"], [])
     assert metrics.registry.get_sample_value("bc_relay_not_sent_total") == 1
     await client.aclose()
+
+
+async def test_a_connection_above_select_s_descriptor_range_is_still_kept_alive(
+    nursery: trio.Nursery, tmp_path: Path
+) -> None:
+    """A gateway holds thousands of sessions, so its relay connections' descriptors
+    are above 1,024, where select() cannot look: the idle check must still see a
+    live connection as live and reuse it (one handshake for the calls)."""
+    seen: list[bytes] = []
+    outcomes: list[str] = []
+    url = await _upstream(nursery, tmp_path, seen, outcomes)
+    filler = [os.dup(0) for _ in range(1100)]
+    try:
+        client = RelayClient([url], ssl.create_default_context(cadata=_pem(material().ca)))
+        for body in (b"one", b"two", b"three"):
+            assert (await client.forward(_request(body))).body == b"signed:" + body
+        assert outcomes == ["completed"]
+        await client.aclose()
+    finally:
+        for fd in filler:
+            os.close(fd)
