@@ -568,15 +568,18 @@ async def _adopt_disk_state(
 
 
 async def _record(record: Recorder, old: AnyState, new: AnyState, log: logging.Logger) -> None:
+    """Journal a renewal that is done (stored, in use): shielded, so a stop arriving
+    while it is written (SIGTERM) does not leave the journal a renewal short."""
     try:
-        await record(
-            "renewed",
-            {
-                "previousSerial": old.leaf_info.serial_hex,
-                "serial": new.leaf_info.serial_hex,
-                "notAfter": new.identity.not_after,
-                "spkiSha256": new.leaf_info.spki_sha256,
-            },
-        )
+        with trio.CancelScope(shield=True):
+            await record(
+                "renewed",
+                {
+                    "previousSerial": old.leaf_info.serial_hex,
+                    "serial": new.leaf_info.serial_hex,
+                    "notAfter": new.identity.not_after,
+                    "spkiSha256": new.leaf_info.spki_sha256,
+                },
+            )
     except BcdError as exc:
         log.warning("the renewal could not be written to the journal: %s", exc)

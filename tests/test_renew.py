@@ -552,6 +552,29 @@ async def test_a_renewal_is_written_to_the_journal(
     ]
 
 
+async def test_a_stop_while_a_renewal_is_journalled_still_journals_it(
+    tmp_path: Path, memory_pki: Pki, autojump_clock: trio.testing.MockClock
+) -> None:
+    """SIGTERM cancels the agent's tasks; a renewal already stored and in use is
+    journalled all the same (the textfile's last renewal at the next start is the
+    journal's)."""
+    holder = Holder(joined_state(tmp_path, memory_pki, wall()))
+    gateway = FakeGateway(memory_pki, tmp_path)
+    recorded: list[str] = []
+    entered = trio.Event()
+
+    async def record(kind: str, payload: dict[str, Any]) -> None:
+        entered.set()
+        await trio.sleep(1)  # the write in its worker thread, while the stop arrives
+        recorded.append(payload["serial"])
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(functools.partial(_run, holder, gateway, memory_pki, record=record))
+        await entered.wait()
+        nursery.cancel_scope.cancel()
+    assert recorded == [holder.state.leaf_info.serial_hex]
+
+
 # --- over real mutual TLS -----------------------------------------------------------
 
 
