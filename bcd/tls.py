@@ -21,7 +21,6 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
 
 import trio
 from cryptography import x509
@@ -30,8 +29,8 @@ from cryptography.x509.verification import PolicyBuilder, Store, VerificationErr
 
 from bcd import pki
 from bcd.errors import PeerVerificationError, TransportError
+from bcd.tlsstream import SocketTLSStream
 
-_ENCODING_DER = 2  # _ssl.ENCODING_DER, for the 3.11 private Certificate objects
 _MAX_CHAIN = 8
 _X509_V_ERR_CERT_NOT_YET_VALID = 9
 _X509_V_ERR_CERT_HAS_EXPIRED = 10
@@ -153,18 +152,6 @@ def _check_chain(chain_der: list[bytes], server_name: str, pin: str, now: dateti
     raise PeerVerificationError(f"{_NOT_PINNED}: {failure}") from failure
 
 
-def peer_chain_der(stream: trio.SSLStream[Any]) -> list[bytes]:
-    """The chain the peer presented, leaf first, unverified (3.11 private, 3.13 public)."""
-    ssl_object: Any = stream._ssl_object
-    getter = getattr(ssl_object, "get_unverified_chain", None)
-    if getter is None:
-        getter = ssl_object._sslobj.get_unverified_chain
-    out: list[bytes] = []
-    for cert in getter() or ():
-        out.append(cert if isinstance(cert, bytes) else cert.public_bytes(_ENCODING_DER))
-    return out
-
-
 @contextlib.contextmanager
 def _memfd(name: str, data: bytes) -> Iterator[str]:
     """A path under /proc/self/fd for ``data`` that never touches a disk."""
@@ -242,6 +229,7 @@ def _check_ca(cert: x509.Certificate, now: datetime | None) -> None:
 def _base_context() -> ssl.SSLContext:
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    ctx.options |= ssl.OP_NO_RENEGOTIATION  # a write never has to read (bcd.tlsstream)
     ctx.set_alpn_protocols(["http/1.1"])
     return ctx
 
@@ -371,7 +359,7 @@ def _anchor_in(chain: list[bytes], pin: str) -> Anchor | None:
 
 
 def _refused_chain(
-    stream: trio.SSLStream[Any], err: ssl.SSLCertVerificationError, server_name: str, pin: str
+    stream: SocketTLSStream, err: ssl.SSLCertVerificationError, server_name: str, pin: str
 ) -> PeerVerificationError:
     """Why OpenSSL refused the chain, in the words of :func:`verify_server_chain`.
 
@@ -380,7 +368,7 @@ def _refused_chain(
     A chain the pure check accepts is a :class:`StaleAnchor` when it carries an anchor.
     """
     try:
-        chain = peer_chain_der(stream)
+        chain = stream.unverified_chain_der()
     except Exception:  # cannot read it: say what OpenSSL said
         chain = []
     fresh: Anchor | None = None
@@ -417,7 +405,8 @@ async def _dial(
     ctx: ssl.SSLContext,
     pin: str,
     timeout: float,  # noqa: ASYNC109 - covers connect and handshake separately
-) -> trio.SSLStream[trio.SocketStream]:
+) -> SocketTLSStream:
+    """Connect, and handshake with OpenSSL on the socket (:mod:`bcd.tlsstream`)."""
     where = f"{host}:{port}"
     try:
         with trio.fail_after(timeout):
@@ -426,7 +415,11 @@ async def _dial(
         raise TransportError(f"cannot reach the gateway at {where}: timed out") from exc
     except OSError as exc:
         raise TransportError(f"cannot reach the gateway at {where}: {os_reason(exc)}") from exc
-    stream = trio.SSLStream(tcp, ctx, server_hostname=server_name, https_compatible=True)
+    try:
+        stream = SocketTLSStream(tcp, ctx, server_hostname=server_name)
+    except trio.BrokenResourceError as exc:  # gone before the handshake; the socket closed
+        reason = os_reason(exc.__cause__) if isinstance(exc.__cause__, OSError) else str(exc)
+        raise TransportError(f"TLS handshake with the gateway at {where} failed: {reason}") from exc
     try:
         try:
             with trio.fail_after(timeout):
@@ -442,7 +435,7 @@ async def _dial(
                 f"TLS handshake with the gateway at {where} failed: {reason}"
             ) from exc
     except BaseException:
-        await trio.aclose_forcefully(stream)
+        stream.close()
         raise
     return stream
 
@@ -457,7 +450,7 @@ async def connect_pinned(
     timeout: float = 15.0,  # noqa: ASYNC109 - covers connect and handshake separately
     on_stale_anchor: Callable[[Anchor], None] | None = None,
     owner: object | None = None,
-) -> trio.SSLStream[trio.SocketStream]:
+) -> SocketTLSStream:
     """Connect and handshake with the serving CA as the only trust anchor.
 
     ``client_cert`` is (chain PEM, PKCS#8 key PEM) for mutual TLS; it is sent only
@@ -502,7 +495,7 @@ async def probe_anchor(
     stream = await _dial(host, port, server_name, _probe_context(), pin, timeout)
     try:
         try:
-            chain = peer_chain_der(stream)
+            chain = stream.unverified_chain_der()
         except Exception as exc:
             raise PeerVerificationError(
                 "cannot read the certificate chain the gateway presented"

@@ -28,8 +28,8 @@ import h11
 import trio
 
 from bcd.credential import shown
+from bcd.tlsstream import SocketTLSStream
 from bcd.wire import STATUS, dumps
-from control.tlsstream import SocketTLSStream
 
 logger = logging.getLogger("control.http")
 

@@ -72,7 +72,7 @@ def server_ssl_context(
     ctx.set_alpn_protocols(["http/1.1"])
     ctx.options |= ssl.OP_NO_TICKET
     ctx.num_tickets = 0
-    # no TLS 1.2 renegotiation: a write never has to read (control.tlsstream)
+    # no TLS 1.2 renegotiation: a write never has to read (bcd.tlsstream)
     ctx.options |= ssl.OP_NO_RENEGOTIATION
     load_chain(ctx, chain_pem, key)
     if client_ca_pem is not None:

@@ -48,13 +48,13 @@ import httpcore
 import trio
 
 from bcd.netstream import NetworkStream, TcpBackend
+from bcd.tlsstream import SocketTLSStream
 from control import discovery, nodefacts
 from control.errors import ControlError
 from control.gatewaypki import GatewayBundle, is_relay_certificate
 from control.http import Request, Response, error_response
 from control.metrics import Metrics
 from control.pki import load_chain
-from control.tlsstream import SocketTLSStream
 
 log = logging.getLogger("control.relay")
 
@@ -89,14 +89,14 @@ def client_context(bundle: GatewayBundle) -> ssl.SSLContext:
     ctx.verify_flags |= ssl.VERIFY_X509_STRICT  # no PARTIAL_CHAIN: the serving CA anchors
     ctx.load_verify_locations(cadata=bundle.serving_ca_pem)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
-    ctx.options |= ssl.OP_NO_RENEGOTIATION  # a write never has to read (control.tlsstream)
+    ctx.options |= ssl.OP_NO_RENEGOTIATION  # a write never has to read (bcd.tlsstream)
     load_chain(ctx, bundle.relay_chain_pem, bundle.relay_key)
     return ctx
 
 
 class _PlainStream(NetworkStream):
     """A relay connection before its TLS: ``start_tls`` runs it on the socket itself
-    (:class:`control.tlsstream.SocketTLSStream`), not over httpcore's trio backend's
+    (:class:`bcd.tlsstream.SocketTLSStream`), not over httpcore's trio backend's
     ``trio.SSLStream``. Its failures are httpcore's connect errors, so the call moves
     on as one that was never sent."""
 

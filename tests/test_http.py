@@ -272,7 +272,7 @@ async def test_pinned_request_reaches_handler(server: Server) -> None:
 
 async def test_ip_server_name(server: Server) -> None:
     stream = await _connect(server, name="127.0.0.1")
-    assert stream.getpeercert(binary_form=True) is not None
+    assert stream.peer_der() is not None
     await stream.aclose()
 
 

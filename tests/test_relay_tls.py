@@ -1,4 +1,4 @@
-"""The relay's own TLS client (control.relay's backend over control.tlsstream), against a
+"""The relay's own TLS client (control.relay's backend over bcd.tlsstream), against a
 real listener of control.http on loopback: the call is relayed over a kept-alive
 connection, and an upstream whose certificate does not verify never receives it."""
 

@@ -30,8 +30,9 @@ from cryptography.hazmat.primitives.asymmetric.utils import Prehashed, decode_ds
 from bcd import pki
 from bcd.errors import PeerVerificationError, TransportError
 from bcd.gatewayclient import GatewayClient, Response
-from bcd.tls import anchor_of, connect_pinned, peer_chain_der
+from bcd.tls import anchor_of, connect_pinned
 from bcd.tls_signer import SignDigest, connect_with_signer, request_with_signer
+from bcd.tlsstream import SocketTLSStream
 from bcd.transport import DialTransport
 from control import http
 from control.pki import Pki, issue_node_leaf, make_gateway_cert, server_ssl_context
@@ -322,18 +323,18 @@ async def test_a_node_presents_its_leaf_alone_and_the_gateway_verifies_it(
     built: list[int] = []  # the chain the gateway built from its own anchors
 
     async def raw(tcp: trio.SocketStream) -> None:
-        tls = trio.SSLStream(tcp, ctx, server_side=True)
+        tls = SocketTLSStream(tcp, ctx)  # the gateway's own TLS (control.http's)
         try:
             await tls.do_handshake()  # a chain that does not verify fails here
-            received.append(peer_chain_der(tls))
-            ssl_object: Any = tls._ssl_object  # 3.13: public; 3.11: on _sslobj
-            verified = getattr(ssl_object, "get_verified_chain", None)
-            built.append(len((verified or ssl_object._sslobj.get_verified_chain)()))
+            received.append(tls.unverified_chain_der())
+            ssl_socket: Any = tls._sock  # 3.13: public; 3.11: on _sslobj
+            verified = getattr(ssl_socket, "get_verified_chain", None)
+            built.append(len((verified or ssl_socket._sslobj.get_verified_chain)()))
             await tls.send_all(b"ok")
         except trio.BrokenResourceError:
             pass
         finally:
-            await trio.aclose_forcefully(tls)
+            tls.close()
 
     listeners = await nursery.start(functools.partial(trio.serve_tcp, raw, 0, host="127.0.0.1"))
     port = listeners[0].socket.getsockname()[1]

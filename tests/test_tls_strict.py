@@ -258,6 +258,7 @@ async def test_a_gateway_chain_without_aki_never_receives_the_node_certificate(
                 client_cert=node_cert,
                 timeout=5,
             )
+        await recorder.connections(1)
         nursery.cancel_scope.cancel()
     assert recorder.seen == [None]
 

@@ -1,4 +1,4 @@
-"""control.tlsstream: a server's TLS on the socket itself, against trio's own TLS client,
+"""bcd.tlsstream: a server's TLS on the socket itself, against trio's own TLS client,
 on loopback with real certificates (tests/test_http.py's material)."""
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import trio
 from cryptography.hazmat.primitives.serialization import Encoding
 from trio.testing import wait_all_tasks_blocked
 
+from bcd.tlsstream import SocketTLSStream
 from control.pkitls import server_ssl_context
-from control.tlsstream import SocketTLSStream
 from tests.test_http import _key_pem, _pem, material, server_context
 
 _RESET = b"\x01\x00\x00\x00\x00\x00\x00\x00"  # SO_LINGER on, 0 s: close with an RST
@@ -159,7 +159,7 @@ async def test_a_reset_is_an_end_and_a_send_after_it_broken(tmp_path: Path) -> N
 
 
 def test_the_server_context_refuses_renegotiation(tmp_path: Path) -> None:
-    """A write never has to read (control.tlsstream's note): the server's context
+    """A write never has to read (bcd.tlsstream's note): the server's context
     (control.pkitls.server_ssl_context) refuses TLS 1.2 renegotiation."""
     m = material()
     ctx = server_ssl_context(_pem(m.leaf, m.ca), m.leaf_key, _pem(m.ca))

@@ -10,14 +10,16 @@ ready (:func:`trio.lowlevel.wait_readable` / :func:`~trio.lowlevel.wait_writable
 docs/decisions.md ("TLS on the socket") has the measurements.
 
 What it keeps of ``trio.SSLStream(..., https_compatible=True)``, which it replaces in
-:mod:`control.http` (every listener) and :mod:`control.relay` (the gateway's client):
+:mod:`control.http` (every listener), :mod:`control.relay` (the gateway's client) and
+:func:`bcd.tls.connect_pinned` (the node's pinned dial, a file key's):
 the :class:`trio.abc.Stream` interface (each operation a checkpoint; a send and a
 receive may run at once in two tasks, two sends or two receives may not); an end of
 the connection without ``close_notify`` is an end like any other (a ragged EOF: HTTP
 frames its own ends); :meth:`aclose` sends no ``close_notify``; a TLS or socket
 failure is :class:`trio.BrokenResourceError`. Both contexts refuse TLS 1.2
 renegotiation (``OP_NO_RENEGOTIATION``: :func:`control.pkitls.server_ssl_context`,
-:func:`control.relay.client_context`), so a write never has to read; should OpenSSL
+:func:`control.relay.client_context`, :func:`bcd.tls.pinned_context`), so a write
+never has to read; should OpenSSL
 still ask one direction to wait for the readiness the other one waits for, it polls
 every :data:`CROSS_WAIT_S`.
 """
@@ -27,11 +29,12 @@ from __future__ import annotations
 import socket
 import ssl
 from collections.abc import Awaitable, Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import trio
 
 CROSS_WAIT_S = 0.01
+_DER = 2  # _ssl.ENCODING_DER, for the private Certificate objects of 3.11
 DEFAULT_RECEIVE = 65536
 _T = TypeVar("_T")
 
@@ -83,6 +86,19 @@ class SocketTLSStream(trio.abc.Stream):
     def peer_der(self) -> bytes | None:
         """The peer's certificate (DER) after the handshake; None without one."""
         return None if self._closed else self._sock.getpeercert(binary_form=True)
+
+    def unverified_chain_der(self) -> list[bytes]:
+        """The chain the peer presented, leaf first, unverified: readable after a
+        handshake OpenSSL aborted on it too (3.13: public; 3.11: on ``_sslobj``)."""
+        sock: Any = self._sock
+        getter = getattr(sock, "get_unverified_chain", None)
+        if getter is None:
+            getter = sock._sslobj.get_unverified_chain
+        out: list[bytes] = []
+        for cert in getter() or ():  # None without a chain (a certless client)
+            if cert is not None:
+                out.append(cert if isinstance(cert, bytes) else cert.public_bytes(_DER))
+        return out
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
         if self._receiving:
