@@ -418,8 +418,10 @@ async def _dial(
     try:
         stream = SocketTLSStream(tcp, ctx, server_hostname=server_name)
     except trio.BrokenResourceError as exc:  # gone before the handshake; the socket closed
-        reason = os_reason(exc.__cause__) if isinstance(exc.__cause__, OSError) else str(exc)
-        raise TransportError(f"TLS handshake with the gateway at {where} failed: {reason}") from exc
+        raise TransportError(
+            f"TLS handshake with the gateway at {where} failed: the gateway closed the "
+            "connection before it"
+        ) from exc
     try:
         try:
             with trio.fail_after(timeout):
@@ -427,10 +429,15 @@ async def _dial(
         except trio.TooSlowError as exc:
             raise TransportError(f"TLS handshake with the gateway at {where} timed out") from exc
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            cause = exc.__cause__ if isinstance(exc.__cause__, ssl.SSLError) else exc
+            cause = exc.__cause__ if isinstance(exc.__cause__, OSError) else exc
             if isinstance(cause, ssl.SSLCertVerificationError):
                 raise _refused_chain(stream, cause, server_name, pin) from exc
-            reason = getattr(cause, "reason", None) or cause.__class__.__name__
+            if isinstance(cause, ssl.SSLError):
+                reason = cause.reason or cause.__class__.__name__
+            elif isinstance(cause, OSError):  # a reset mid-handshake, say
+                reason = os_reason(cause)
+            else:
+                reason = cause.__class__.__name__
             raise TransportError(
                 f"TLS handshake with the gateway at {where} failed: {reason}"
             ) from exc

@@ -16,12 +16,15 @@ the :class:`trio.abc.Stream` interface (each operation a checkpoint; a send and 
 receive may run at once in two tasks, two sends or two receives may not); an end of
 the connection without ``close_notify`` is an end like any other (a ragged EOF: HTTP
 frames its own ends); :meth:`aclose` sends no ``close_notify``; a TLS or socket
-failure is :class:`trio.BrokenResourceError`. Both contexts refuse TLS 1.2
-renegotiation (``OP_NO_RENEGOTIATION``: :func:`control.pkitls.server_ssl_context`,
+failure is :class:`trio.BrokenResourceError`. Every context it runs under refuses
+TLS 1.2 renegotiation (``OP_NO_RENEGOTIATION``: :func:`control.pkitls.server_ssl_context`,
 :func:`control.relay.client_context`, :func:`bcd.tls.pinned_context`), so a write
-never has to read; should OpenSSL
-still ask one direction to wait for the readiness the other one waits for, it polls
-every :data:`CROSS_WAIT_S`.
+never has to read; should OpenSSL still ask one direction to wait for the readiness
+the other one waits for, it polls every :data:`CROSS_WAIT_S`.
+
+One thing it adds: :meth:`SocketTLSStream.try_send`, a small write from another task
+with no wait while the sender is idle (:class:`control.http.DirectWrite`: the
+gateway's pings, with no wake of the session's task).
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ class SocketTLSStream(trio.abc.Stream):
             raise trio.BrokenResourceError(f"TLS connection broken: {exc}") from exc
         self._closed = False
         self._broken = False  # a send failed or was cancelled mid-record
+        self._unfinished: bytes | None = None  # a record try_send began, socket full
         self._handshook = False
         self._sending = False
         self._receiving = False
@@ -120,6 +124,9 @@ class SocketTLSStream(trio.abc.Stream):
         try:
             if not self._handshook:
                 await self.do_handshake()
+            if self._unfinished is not None:  # a record try_send began goes first, whole
+                await self._run(self._sock.send, self._unfinished)
+                self._unfinished = None
             with memoryview(data) as view:
                 if not view:
                     if self._closed:
@@ -135,6 +142,38 @@ class SocketTLSStream(trio.abc.Stream):
             raise
         finally:
             self._sending = False
+
+    def try_send(self, data: bytes) -> bool:
+        """Write ``data`` now, with no wait and no checkpoint (from another task than the
+        sender's, which must be idle): for a small record on a connection whose sender
+        waits for something to send (an idle session's ping).
+
+        False when nothing was written: a send runs or failed, the handshake is not
+        done, the connection is closed, or an earlier try's record is still unfinished;
+        the caller sends it with :meth:`send_all` instead. True when ``data`` is
+        committed: all of it written, or its record begun with the socket full (OpenSSL
+        must be called again with the same bytes). Such an unfinished record goes first
+        in the next :meth:`send_all`, as a whole, before that call's own bytes; the
+        caller makes sure one follows soon (:attr:`unfinished`), under its write
+        timeout. A failure marks the connection broken, as a failed send does."""
+        if self._sending or self._broken or self._closed or not self._handshook:
+            return False
+        if self._unfinished is not None:
+            return False
+        try:
+            sent = self._sock.send(data)
+            if sent < len(data):  # (OpenSSL writes all or asks again: never, but safe)
+                self._unfinished = data[sent:]
+        except (ssl.SSLWantWriteError, ssl.SSLWantReadError):
+            self._unfinished = data  # the same bytes again, as OpenSSL asks
+        except (ssl.SSLError, OSError):
+            self._broken = True  # the next send_all says so; the receiver sees the end
+        return not self._broken
+
+    @property
+    def unfinished(self) -> bool:
+        """A record :meth:`try_send` began waits for the next :meth:`send_all`."""
+        return self._unfinished is not None
 
     async def wait_send_all_might_not_block(self) -> None:
         if self._closed:

@@ -45,7 +45,7 @@ import trio
 from bcd import wire
 from control import discovery, nodefacts, renewal
 from control.errors import ControlError, Refused, StoreUnavailable
-from control.http import Request, Response, error_response, health_response
+from control.http import DirectWrite, Request, Response, error_response, health_response
 from control.joinservice import JoinService
 from control.metrics import Metrics
 from control.sessionreport import SessionReporter
@@ -94,6 +94,8 @@ class _Session:
     closed: bool = False
     checked_at: float = 0.0
     """When its certificate was found live (trio's clock)."""
+    direct: DirectWrite = field(default_factory=DirectWrite)
+    """The pinger's way to send a ping at once while the stream waits (no task wake)."""
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -390,6 +392,7 @@ class Gateway:
             200,
             headers=[("content-type", "application/x-ndjson")],
             stream=self._stream(session, session_id, receive),
+            direct=session.direct,
         )
 
     def _register(self, session: _Session) -> None:
@@ -498,7 +501,10 @@ class Gateway:
                     session.expired = True  # out of the heap
                     self._end(session, _DRAIN)
             for session in self._slots[self._slot_next]:
-                if not (session.ping_queued or self.draining):
+                # at once while its stream waits (the common case); else queued
+                if not (
+                    session.ping_queued or self.draining or session.direct.try_write(_PING_LINE)
+                ):
                     session.ping_queued = self._tell(session, _PING)
             self._slot_next = (self._slot_next + 1) % PING_SLOTS
 

@@ -58,12 +58,52 @@ class Request:
     remote: str
 
 
+class DirectWrite:
+    """Another task's way into a streamed body (:attr:`Response.direct`): a chunk sent
+    at once, on the event loop, while the body's own loop waits for its next chunk.
+
+    A session's ping is most of what an idle session sends; through the body's
+    iterator it costs a wake of the connection's task, a generator step and two
+    checkpoints, where this is one ``SSL_write``. :meth:`try_write` writes only while
+    the body's loop is parked on its iterator (so never inside one of its sends) and
+    only whole records (:meth:`bcd.tlsstream.SocketTLSStream.try_send`): a chunk goes
+    out between two of the iterator's, never inside one, and may go out before one the
+    iterator was handed but has not yet yielded, so it is for chunks whose order does
+    not matter (a ping says nothing but "alive"). When it cannot (a plain
+    stream, the loop busy or done, the socket full), the caller sends the chunk
+    through the iterator as before, under the write timeout."""
+
+    __slots__ = ("_conn", "_framed", "_stream")
+
+    def __init__(self) -> None:
+        self._stream: SocketTLSStream | None = None  # set while the loop is parked
+        self._conn: h11.Connection | None = None
+        self._framed: tuple[bytes, bytes] = (b"", b"")  # the last chunk and its framing
+
+    def frame(self, conn: h11.Connection, chunk: bytes) -> bytes:
+        """``chunk`` framed for the body (chunked, or as is for HTTP/1.0): h11's framing
+        of a body chunk depends on the chunk only, so the same ping is framed once."""
+        if chunk is not self._framed[0]:
+            self._framed = (chunk, _send(conn, h11.Data(data=chunk)))
+        return self._framed[1]
+
+    def try_write(self, chunk: bytes) -> bool:
+        """Send ``chunk`` now; False when it was not (send it through the iterator)."""
+        stream, conn = self._stream, self._conn
+        if stream is None or conn is None or not chunk:
+            return False
+        # a record left unfinished (socket full) goes with the body's next send: the
+        # caller's chunk through the iterator is that send, so this one says False
+        return stream.try_send(self.frame(conn, chunk)) and not stream.unfinished
+
+
 @dataclass
 class Response:
     status: int
     body: bytes = b""
     headers: list[tuple[str, str]] = field(default_factory=list)
     stream: AsyncIterator[bytes] | None = None  # sent chunked, chunk by chunk
+    direct: DirectWrite | None = None  # another task's writes into ``stream``'s body
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -714,13 +754,17 @@ async def _respond(
         await _write(stream, data + _send(conn, h11.EndOfMessage()))
         return
     await _write(stream, data)
-    await _stream_body(stream, conn, response.stream)
+    await _stream_body(stream, conn, response.stream, response.direct or DirectWrite())
 
 
 async def _stream_body(
-    stream: trio.abc.Stream, conn: h11.Connection, chunks: AsyncIterator[bytes]
+    stream: trio.abc.Stream,
+    conn: h11.Connection,
+    chunks: AsyncIterator[bytes],
+    direct: DirectWrite,
 ) -> None:
-    """Send each chunk as it comes; stop when the client goes away."""
+    """Send each chunk as it comes (and let ``direct`` write while waiting for the
+    next, over TLS); stop when the client goes away."""
 
     async def watch_peer(cancel: trio.CancelScope) -> None:
         # The client sends nothing more on a streamed exchange; EOF means it left.
@@ -738,18 +782,20 @@ async def _stream_body(
         # one scope for every write (WRITE_TIMEOUT each), not one per chunk: an idle
         # session's pings are most of what it sends
         writing = trio.CancelScope()
-        # the last chunk and its framing: a session sends the same ping line object
-        # again and again, and h11's framing of a body chunk (chunked, or as is for
-        # HTTP/1.0) depends only on the chunk, so it is framed once
-        last: tuple[bytes, bytes] = (b"", b"")
+        parked = stream if isinstance(stream, SocketTLSStream) else None
         try:
             with writing:
-                async for chunk in chunks:
+                while True:
+                    direct._stream, direct._conn = parked, conn  # parked: others may write
+                    try:
+                        chunk = await anext(chunks)
+                    except StopAsyncIteration:
+                        break
+                    finally:
+                        direct._stream = direct._conn = None
                     if chunk:
-                        if chunk is not last[0]:
-                            last = (chunk, _send(conn, h11.Data(data=chunk)))
                         writing.deadline = trio.current_time() + WRITE_TIMEOUT
-                        await stream.send_all(last[1])
+                        await stream.send_all(direct.frame(conn, chunk))
                         writing.deadline = math.inf
                 writing.deadline = trio.current_time() + WRITE_TIMEOUT
                 await stream.send_all(_send(conn, h11.EndOfMessage()))

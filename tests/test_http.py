@@ -29,6 +29,7 @@ from bcd import gatewayclient, pki, tls
 from bcd.errors import PeerVerificationError, TransportError
 from bcd.gatewayclient import GatewayClient
 from bcd.tls import Anchor, anchor_of, connect_pinned, verify_server_chain
+from bcd.tlsstream import SocketTLSStream
 from bcd.transport import DialTransport
 from control import http
 from control.pki import make_ca
@@ -230,7 +231,7 @@ async def server(nursery: trio.Nursery, tmp_path: Path) -> Server:
 
 async def _connect(
     srv: Server, name: str = "gw.test", client_cert: tuple[str, bytes] | None = None
-) -> trio.SSLStream[trio.SocketStream]:
+) -> SocketTLSStream:
     return await connect_pinned(
         "127.0.0.1", srv.port, name, material().anchor, client_cert=client_cert, timeout=5
     )

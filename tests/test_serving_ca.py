@@ -68,7 +68,8 @@ class Recorder:
                     await tls.do_handshake()
             except (trio.BrokenResourceError, trio.TooSlowError):
                 pass
-            # what the client sent, even in a handshake that failed after it
+            # the certificate the client sent, as OpenSSL keeps it: once verified
+            # (a handshake refused later keeps it; one refused for it does not)
             self.seen.append(next(iter(tls.unverified_chain_der()), None))
             try:
                 with trio.move_on_after(2):

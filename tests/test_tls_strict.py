@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 import trio
 from cryptography import x509
-from cryptography.hazmat.primitives import hashes
+from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 
 from bcd import gatewayclient, pki, servingca
@@ -239,18 +239,23 @@ def test_the_node_refuses_a_gateway_chain_that_is_not_rfc5280(
 async def test_a_gateway_chain_without_aki_never_receives_the_node_certificate(
     memory_pki: Pki,
 ) -> None:
-    leaf, key = _gateway_cert(memory_pki)
-    leaf = _variant(leaf, memory_pki.serving_ca_key, drop=x509.AuthorityKeyIdentifier)
-    gateway = server_ssl_context(
-        _pem(leaf, memory_pki.serving_ca), key, client_ca_pem=memory_pki.chain_tail_pem()
-    )
+    good_leaf, key = _gateway_cert(memory_pki)
+    leaf = _variant(good_leaf, memory_pki.serving_ca_key, drop=x509.AuthorityKeyIdentifier)
     node_leaf, node_key = _node_leaf(memory_pki)
     node_cert = (_pem(node_leaf) + memory_pki.chain_tail_pem(), key_to_pem(node_key))
+    recorders = []
     async with trio.open_nursery() as nursery:
-        recorder = Recorder(gateway)
-        await nursery.start(recorder.run)
-        with pytest.raises(PeerVerificationError, match="authorityKeyIdentifier"):
-            await connect_pinned(
+        for presented in (leaf, good_leaf):  # the second: the recorder can tell
+            recorder = Recorder(
+                server_ssl_context(
+                    _pem(presented, memory_pki.serving_ca),
+                    key,
+                    client_ca_pem=memory_pki.chain_tail_pem(),
+                )
+            )
+            recorders.append(recorder)
+            await nursery.start(recorder.run)
+            dial = connect_pinned(
                 "127.0.0.1",
                 recorder.port,
                 GATEWAY,
@@ -258,9 +263,15 @@ async def test_a_gateway_chain_without_aki_never_receives_the_node_certificate(
                 client_cert=node_cert,
                 timeout=5,
             )
-        await recorder.connections(1)
+            if presented is leaf:
+                with pytest.raises(PeerVerificationError, match="authorityKeyIdentifier"):
+                    await dial
+            else:
+                (await dial).close()
+            await recorder.connections(1)
         nursery.cancel_scope.cancel()
-    assert recorder.seen == [None]
+    assert recorders[0].seen == [None]
+    assert recorders[1].seen == [node_leaf.public_bytes(serialization.Encoding.DER)]
 
 
 # --- the gateway listener, the node's certificate -----------------------------------
