@@ -14,6 +14,7 @@ system trust store is never consulted.
 from __future__ import annotations
 
 import contextlib
+import errno
 import ipaddress
 import os
 import ssl
@@ -417,11 +418,17 @@ async def _dial(
         raise TransportError(f"cannot reach the gateway at {where}: {os_reason(exc)}") from exc
     try:
         stream = SocketTLSStream(tcp, ctx, server_hostname=server_name)
-    except trio.BrokenResourceError as exc:  # gone before the handshake; the socket closed
-        raise TransportError(
-            f"TLS handshake with the gateway at {where} failed: the gateway closed the "
-            "connection before it"
-        ) from exc
+    except trio.BrokenResourceError as exc:  # the socket closed by the constructor
+        cause = exc.__cause__
+        if isinstance(cause, ConnectionError) or (
+            isinstance(cause, OSError) and cause.errno == errno.ENOTCONN
+        ):
+            reason = "the gateway closed the connection before it"
+        elif isinstance(cause, OSError):
+            reason = os_reason(cause)
+        else:  # a server_name OpenSSL cannot take (config.py rules them out)
+            reason = f"{cause.__class__.__name__ if cause else 'refused'}"
+        raise TransportError(f"TLS handshake with the gateway at {where} failed: {reason}") from exc
     try:
         try:
             with trio.fail_after(timeout):

@@ -96,6 +96,8 @@ class _Session:
     """When its certificate was found live (trio's clock)."""
     direct: DirectWrite = field(default_factory=DirectWrite)
     """The pinger's way to send a ping at once while the stream waits (no task wake)."""
+    ending: bool = False
+    """Told its end (a drain, a revocation notice): no ping goes ahead of it."""
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -501,10 +503,11 @@ class Gateway:
                     session.expired = True  # out of the heap
                     self._end(session, _DRAIN)
             for session in self._slots[self._slot_next]:
-                # at once while its stream waits (the common case); else queued
-                if not (
-                    session.ping_queued or self.draining or session.direct.try_write(_PING_LINE)
-                ):
+                if session.ping_queued or self.draining:
+                    continue
+                # at once while its stream waits (the common case); else queued, and
+                # behind an end already told (it is never sent then), as before
+                if session.ending or session.replaced or not session.direct.try_write(_PING_LINE):
                     session.ping_queued = self._tell(session, _PING)
             self._slot_next = (self._slot_next + 1) % PING_SLOTS
 
@@ -523,6 +526,7 @@ class Gateway:
         session's queue full, close the queue instead, so the session still ends once
         what is queued is sent (its node redials and is checked, or told). False when
         the session is gone."""
+        session.ending = True
         try:
             session.send.send_nowait(what)
         except trio.WouldBlock:

@@ -80,6 +80,10 @@ class DirectWrite:
         self._conn: h11.Connection | None = None
         self._framed: tuple[bytes, bytes] = (b"", b"")  # the last chunk and its framing
 
+    def reset(self) -> None:
+        self._stream = self._conn = None
+        self._framed = (b"", b"")
+
     def frame(self, conn: h11.Connection, chunk: bytes) -> bytes:
         """``chunk`` framed for the body (chunked, or as is for HTTP/1.0): h11's framing
         of a body chunk depends on the chunk only, so the same ping is framed once."""
@@ -88,13 +92,18 @@ class DirectWrite:
         return self._framed[1]
 
     def try_write(self, chunk: bytes) -> bool:
-        """Send ``chunk`` now; False when it was not (send it through the iterator)."""
+        """Send ``chunk`` now; False when it was not sent whole (send it through the
+        iterator). False also when the socket filled mid-record: the record is then
+        committed and goes first in the body's next send, so the chunk sent through
+        the iterator goes twice. Only for a chunk that may (a ping); never raises."""
         stream, conn = self._stream, self._conn
         if stream is None or conn is None or not chunk:
             return False
-        # a record left unfinished (socket full) goes with the body's next send: the
-        # caller's chunk through the iterator is that send, so this one says False
-        return stream.try_send(self.frame(conn, chunk)) and not stream.unfinished
+        try:
+            return stream.try_send(self.frame(conn, chunk)) and not stream.unfinished
+        except Exception:  # the caller is a loop over every session: it must go on
+            logger.exception("a direct write into a streamed response failed")
+            return False
 
 
 @dataclass
@@ -783,6 +792,7 @@ async def _stream_body(
         # session's pings are most of what it sends
         writing = trio.CancelScope()
         parked = stream if isinstance(stream, SocketTLSStream) else None
+        direct.reset()  # framed for this connection only
         try:
             with writing:
                 while True:

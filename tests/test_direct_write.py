@@ -16,8 +16,12 @@ import pytest
 import trio
 import trio.testing
 
+from bcd import wire
 from control import http
+from tests.gatewaycalls import node_client
 from tests.test_http import material, server_context
+from tests.test_metrics import _hello
+from tests.world import E2EWorld, Node, loaded, node_id
 
 
 class Body:
@@ -156,8 +160,45 @@ async def test_a_client_that_never_reads_is_dropped_after_the_write_timeout(
             break
     else:
         raise AssertionError("the socket never filled")
+    started = trio.current_time()
     await srv.send.send(b"after\n")  # blocks behind the full socket, 1 s at most
+    await trio.sleep(0.3)
+    assert not srv.closed.is_set()
+    assert not srv.direct.try_write(b"during\n")  # never inside the blocked send
     with trio.fail_after(10):
         await srv.closed.wait()  # the body was closed: the connection dropped
+    assert trio.current_time() - started >= 1.0  # by the write timeout
     assert not srv.direct.try_write(b"late\n")
     await trio.aclose_forcefully(tls)
+
+
+@pytest.mark.e2e
+async def test_a_real_gateway_pings_a_node_session_and_ends_it_with_its_revocation(
+    e2e: E2EWorld, tmp_path: Path
+) -> None:
+    """A real serve pinging every 0.2 s (its pinger's direct writes over its TLS), read
+    by bcd's own session client: a welcome, pings, the revocation last."""
+    cp = e2e.control_plane(extra_args=["--session-ping-seconds", "0.2"])
+    site, pool = cp.site_and_pool()
+    node = Node.make(tmp_path / "n", cp, site)
+    assert node.join(cp.token(pool)["token"]).returncode == 0
+    state = loaded(node)
+    pin = cp.pins()["serving_ca_spki_pin"]
+    kinds: list[str] = []
+    async with (
+        await node_client(cp.gateway_port, pin, state) as client,
+        client.session(_hello(state), idle_timeout=30) as lines,
+    ):
+        it = aiter(lines)
+        with trio.fail_after(10):
+            kinds.append(wire.loads_object(await anext(it))["type"])
+            while len(kinds) < 6:
+                kinds.append(wire.loads_object(await anext(it))["type"])
+        done = cp.cli("nodes", "revoke-identity", node_id(node), "--tenant", cp.root_tenant)
+        assert done.returncode == 0, done.stderr
+        with trio.fail_after(10):
+            async for line in it:
+                kinds.append(wire.loads_object(line)["type"])
+    assert kinds[:6] == ["welcome"] + ["ping"] * 5
+    assert set(kinds[6:-1]) <= {"ping"}
+    assert kinds[-1] == "revocation"
