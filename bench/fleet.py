@@ -15,7 +15,7 @@ be 0); ``tests/test_fleet_sim.py`` runs it small and checks only that outcome.
 api --relay-listen``) and G gateways (``serve --role gateway``), each with its own
 PostgreSQL ``application_name`` so the CPU of its backends reads apart, on a fresh
 schema dropped afterwards. Certificates are short (``--cert-ttl-seconds``, default
-1800 s) and the gateways ping every ``--session-ping-seconds`` (``--ping-seconds``,
+1800 s, or 72 ms a node where that is longer: 7,200 s at N = 100,000) and the gateways ping every ``--session-ping-seconds`` (``--ping-seconds``,
 default 2 s up to N = 1,400, N/700 s above, at most 30 s; production pings every 15 s)
 so a run sees several pings and the simulators keep up with them.
 
@@ -1712,6 +1712,20 @@ def ping_default(n: int) -> float:
     return round(max(2.0, min(PING_MAX_S, n / PINGS_PER_S)), 1)
 
 
+CERT_TTL_MIN_S = 1800
+CERT_TTL_S_PER_NODE = 0.072
+
+
+def cert_ttl_default(n: int) -> int:
+    """1,800 s, or 72 ms a node where that is longer (3,600 s at N = 50,000, 7,200 s at
+    100,000). The first-joined nodes' certificates must outlive the join storm, the
+    sessions' opening and the steady state, until the renewal wave reaches them: at
+    N = 100,000 on this 2-core machine those took about 40 minutes, and with 1,800 s the
+    gateways ended the first nodes' sessions at their certificates' end and the redials
+    queued past bcd's connect timeout (the tenth session's attempt)."""
+    return max(CERT_TTL_MIN_S, math.ceil(n * CERT_TTL_S_PER_NODE))
+
+
 def _exit_on_signal(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
@@ -1735,7 +1749,12 @@ def main(argv: list[str] | None = None) -> int:
         help="the gateways' ping interval (default: N/700 s within 2 to 30 s)",
     )
     parser.add_argument("--steady-pings", type=int, default=3)
-    parser.add_argument("--cert-ttl", type=int, default=1800)
+    parser.add_argument(
+        "--cert-ttl",
+        type=int,
+        default=None,
+        help="the certificates' life in seconds (default: 1,800, or 72 ms a node if longer)",
+    )
     parser.add_argument("--revocations", type=int, default=None)
     parser.add_argument(
         "--skip-renewal",
@@ -1775,6 +1794,8 @@ def main(argv: list[str] | None = None) -> int:
     revocations = args.revocations if args.revocations is not None else min(200, n // 10)
     if args.ping_seconds is None:
         args.ping_seconds = ping_default(n)
+    if args.cert_ttl is None:
+        args.cert_ttl = cert_ttl_default(n)
     files = raise_file_limit()
     if n / args.procs + 256 > files:
         parser.error(f"{math.ceil(n / args.procs)} nodes per simulator process: the open-file "
