@@ -1055,6 +1055,9 @@ class Run:
         grown = counter_deltas(self._counters, gateway_counters(self.roles))
         phase.detail["handshakes"] = {o: grown.get(f"hs:{o}", 0.0) for o in HANDSHAKE_OUTCOMES}
         phase.detail["delivery"] = {k: v for k, v in grown.items() if k.startswith("le:")}
+        phase.detail["written"] = {
+            "le:" + k[3:]: v for k, v in grown.items() if k.startswith("wr:")
+        }
         phase.detail["relay"] = {k[6:]: v for k, v in grown.items() if k.startswith("relay:")}
         print(
             f"[{phase.name}] {phase.wall_s:.2f} s, errors {errors}, control-plane CPU "
@@ -1120,7 +1123,8 @@ class Run:
 def gateway_counters(roles: Roles) -> dict[str, dict[str, float]]:
     """Each running gateway's counters the run reads (a killed gateway's are gone with
     it): ``bc_tls_handshakes_total`` of its gateway listener by outcome (``hs:OUTCOME``),
-    the cumulative buckets of ``bc_revocation_delivery_seconds`` (``le:BOUND``), the
+    the cumulative buckets of ``bc_revocation_delivery_seconds`` (``le:BOUND``) and of
+    ``bc_revocation_written_seconds`` (``wr:BOUND``, as ``le:`` in the phase's detail), the
     relayed calls by outcome and the relay attempts that reached no replica
     (``relay:answered``, ``relay:unavailable``, ``relay:not-sent``)."""
     out: dict[str, dict[str, float]] = {}
@@ -1142,6 +1146,8 @@ def gateway_counters(roles: Roles) -> dict[str, dict[str, float]]:
                     counts[f"hs:{labels['outcome']}"] = sample.value
                 elif sample.name == "bc_revocation_delivery_seconds_bucket":
                     counts[f"le:{labels['le']}"] = sample.value
+                elif sample.name == "bc_revocation_written_seconds_bucket":
+                    counts[f"wr:{labels['le']}"] = sample.value
                 elif sample.name == "bc_relay_not_sent_total":
                     counts["relay:not-sent"] = sample.value
                 elif sample.name == "bc_relay_duration_seconds_count":
@@ -1309,10 +1315,14 @@ def phase_revocation(run: Run, nodes: dict[int, str], count: int, timeout: float
     delivery = phase.detail["delivery"]
     pushed = int(delivery.get("le:+Inf", 0))
     on_gateway = [bucket_quantile(delivery, q) for q in (0.5, 0.99)]
+    # and to the notice written on the session's connection (bc_revocation_written_seconds)
+    written = [bucket_quantile(phase.detail["written"], q) for q in (0.5, 0.99)]
     print(
         f"  the gateways pushed {pushed} notices; revoking transaction to the notice "
         "queued, p50 / p99 (their histogram's buckets): "
         + " / ".join("-" if v is None else f"{v * 1000:.0f} ms" for v in on_gateway)
+        + "; to the notice written: "
+        + " / ".join("-" if v is None else f"{v * 1000:.0f} ms" for v in written)
         + "; the revoking call's start to the node's bcd having verified it, p50 / p99: "
         + " / ".join("-" if v is None else f"{v:.0f} ms"
                      for v in (pct_ms(to_verified, 0.5), pct_ms(to_verified, 0.99)))
@@ -1325,6 +1335,8 @@ def phase_revocation(run: Run, nodes: dict[int, str], count: int, timeout: float
         gateway_pushed=pushed,
         gateway_p50_s=on_gateway[0],
         gateway_p99_s=on_gateway[1],
+        gateway_written_p50_s=written[0],
+        gateway_written_p99_s=written[1],
         revoked=len(calls),
         latency_s=from_start,
         from_return_s=from_return,
@@ -1481,6 +1493,8 @@ def figures(
         "revocation_gateway_pushed": rev.detail["gateway_pushed"],
         "revocation_gateway_p50_ms": ms_or_none(rev.detail["gateway_p50_s"]),
         "revocation_gateway_p99_ms": ms_or_none(rev.detail["gateway_p99_s"]),
+        "revocation_written_p50_ms": ms_or_none(rev.detail["gateway_written_p50_s"]),
+        "revocation_written_p99_ms": ms_or_none(rev.detail["gateway_written_p99_s"]),
         "revocation_verified_p50_ms": pct_ms(rev.detail["verified_s"], 0.5),
         "revocation_verified_p99_ms": pct_ms(rev.detail["verified_s"], 0.99),
         "revocation_from_return_p99_ms": pct_ms(rev.detail["from_return_s"], 0.99),
@@ -1555,7 +1569,8 @@ FIGURE_KEYS = (
     "node_cpu_us_per_ping", "node_cpu_ms_per_renewal", "renewals_per_s", "renewal_cpu_ms", "renewal_floor_ratio",
     "renewal_cpu_held_ms", "renewal_cpu_net_ms", "renewal_floor_ratio_net", "renewal_pg_xacts", "renewal_pg_cpu_ms", "join_retried", "renewal_retried", "revocation_p50_ms",
     "revocation_p99_ms", "revocation_gateway_pushed", "revocation_gateway_p50_ms",
-    "revocation_gateway_p99_ms", "revocation_verified_p50_ms", "revocation_verified_p99_ms", "reconnect_time_s",
+    "revocation_gateway_p99_ms", "revocation_written_p50_ms", "revocation_written_p99_ms",
+    "revocation_verified_p50_ms", "revocation_verified_p99_ms", "reconnect_time_s",
     "reconnect_peak_cpu_cores", "reconnect_handshakes", "reconnect_rate_per_s", "relay_by_phase",
     "cpu_total_by_role_s", "pg_vacuum_runs", "pg_vacuum_cpu_s",
 )  # fmt: skip

@@ -98,6 +98,9 @@ class _Session:
     """The pinger's way to send a ping at once while the stream waits (no task wake)."""
     ending: bool = False
     """Told its end (a drain, a revocation notice): no ping goes ahead of it."""
+    notice_told: tuple[float, float] | None = None
+    """A revocation notice queued: (its latency then, the database's clock; when, trio's
+    clock), for ``bc_revocation_written_seconds`` once it is written."""
 
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -460,8 +463,12 @@ class Gateway:
                     continue
                 if notice is _DRAIN:
                     return  # a clean end of stream: the node redials
-                yield _line(notice)
+                yield _line(notice)  # resumed once the body's loop has written it
                 if notice.get("type") == "revocation":
+                    if session.notice_told is not None:
+                        latency, told_at = session.notice_told
+                        written = latency + trio.current_time() - told_at
+                        self.metrics.revocation_written.observe(written)
                     return
         finally:
             session.closed = True
@@ -618,15 +625,17 @@ class Gateway:
                 session.node_id,
             )
             return
+        latency = max(0, now_ms - at) / 1000
+        session.notice_told = (latency, trio.current_time())
         self.metrics.revocations_pushed.inc()
-        self.metrics.revocation_delivery.observe(max(0, now_ms - at) / 1000)
+        self.metrics.revocation_delivery.observe(latency)
         log.info(
             "revocation of %s pushed to a session of %s",
             row["serial"],
             session.node_id,
             extra={"event": "revocation.pushed", "node_id": session.node_id,
                    "serial": row["serial"], "reason": notice["reason"],
-                   "latency_s": max(0, now_ms - at) / 1000},
+                   "latency_s": latency},
         )  # fmt: skip
 
 

@@ -98,6 +98,11 @@ class Metrics:
             "database's clock) to the notice's push on a session.", buckets=_DELIVERY,
             registry=r,
         )  # fmt: skip
+        self.revocation_written = Histogram(
+            "bc_revocation_written_seconds", "From the revoking transaction (revoked_at, the "
+            "database's clock) to the notice written on the session's connection, which "
+            "then ends.", buckets=_DELIVERY, registry=r,
+        )  # fmt: skip
         self.relay_latency = Histogram(
             "bc_relay_duration_seconds", "A gateway's relayed node call to an API replica, "
             "until its whole answer, by outcome (answered, unavailable).", ["outcome"],

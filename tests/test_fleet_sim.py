@@ -57,6 +57,8 @@ def test_every_phase_without_error(tmp_path: Path, skip_renewal: bool) -> None:
     # every revoked node's session got its signed notice from its gateway, which timed it
     assert figures["revocation_gateway_pushed"] == figures["revocations"]
     assert figures["revocation_gateway_p99_ms"] is not None
+    # and each written on its connection, no sooner than it was queued
+    assert figures["revocation_written_p99_ms"] >= figures["revocation_gateway_p99_ms"]
     # each node verified its notice before its session ended (bcd's "certificate revoked")
     assert 0 < figures["revocation_verified_p99_ms"] <= figures["revocation_p99_ms"]
     # gw1 held the sessions of half the nodes but its revoked ones; all moved to gw2

@@ -125,6 +125,10 @@ async def test_the_counters_move_as_the_run_did(
     assert _value(after, "bc_revocations_pushed_total") == 1
     assert _value(after, "bc_revocation_delivery_seconds_count") == 1
     assert 0 <= _value(after, "bc_revocation_delivery_seconds_sum") < 5
+    # written after it was queued: the same notice, no sooner
+    assert _value(after, "bc_revocation_written_seconds_count") == 1
+    written = _value(after, "bc_revocation_written_seconds_sum")
+    assert _value(after, "bc_revocation_delivery_seconds_sum") <= written < 5
     assert _value(after, "bc_db_transaction_duration_seconds_count") > 10
     assert _value(after, "bc_join_requests_pending") == 0
     assert _value(after, "bc_rate_limit_hits_total", limit="renewals-per-node") == 0
