@@ -63,10 +63,12 @@ def pool_facts(tx: Tx, pool_id: str) -> PoolFacts | None:
 
 
 def latest_statements(tx: Tx, node_id: str) -> tuple[str, ...] | None:
-    """The statements of the node's latest certificate (None: it has none)."""
+    """The statements of the node's latest certificate (None: it has none). Two
+    recorded in the same millisecond: the one with more statements (a TPM-bound node is
+    never read as bare because of a tie)."""
     row = tx.one(
         "SELECT statements FROM node_certs WHERE node_id = ? "
-        "ORDER BY identity_generation DESC, created_at DESC LIMIT 1",
+        "ORDER BY identity_generation DESC, created_at DESC, length(statements) DESC LIMIT 1",
         (node_id,),
     )
     return None if row is None else tuple(json.loads(row["statements"]))

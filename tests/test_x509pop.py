@@ -481,9 +481,13 @@ class _NodeIdAdmitter:
         return Admit(rows.tenant_id, rows.pool_id, rows.site_id, "node", node_id=node)
 
 
-def test_joinservice_never_lets_an_attestor_downgrade_a_tpm_bound_node(env: Env) -> None:
+@pytest.mark.parametrize("tie", [False, True], ids=["later", "same-millisecond"])
+def test_joinservice_never_lets_an_attestor_downgrade_a_tpm_bound_node(env: Env, tie: bool) -> None:
     held = env.token_join(28, expired_ago=3 * HOUR)
     _expired_recorded_leaf(env, held.node_id, "node", ("urn:bc:tpm-ak:sha256:" + "cd" * 32,))
+    if tie:  # the bare and the bound certificate recorded in the same millisecond
+        with env.store.tx() as tx:
+            tx.execute("UPDATE node_certs SET created_at = 1000 WHERE node_id = ?", (held.node_id,))
     svc = JoinService(
         env.store,
         join_crypto(env.pki),
