@@ -4,7 +4,8 @@ An outcome, not a speed: 40 nodes in 2 simulator processes against an API replic
 2 gateways on PostgreSQL join, hold their sessions, renew, lose 4 of them to
 revocations and move off a gateway killed with SIGKILL; every phase reports 0 errors and
 the JSON beside the plot holds every figure. With ``--skip-renewal`` the same without
-the renewal wave, whose figures are then None.
+the renewal wave, whose figures are then None, and with ``--probe-nodes 10``: a third
+simulator process of 10 nodes, from which the revoked ones are drawn.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def test_every_phase_without_error(tmp_path: Path, skip_renewal: bool) -> None:
             sys.executable, str(ROOT / "bench" / "fleet.py"), "--nodes", "40", "--procs", "2",
             "--gateways", "2", "--concurrency", "4", "--ping-seconds", "1",
             "--steady-pings", "2", "--quick-floor", "--out", str(tmp_path),
-            *(["--skip-renewal"] if skip_renewal else []),
+            *(["--skip-renewal", "--probe-nodes", "10"] if skip_renewal else []),
         ],
         capture_output=True,
         text=True,
@@ -54,6 +55,12 @@ def test_every_phase_without_error(tmp_path: Path, skip_renewal: bool) -> None:
         assert None not in renewal.values(), renewal
         assert figures["renewals_per_s"] > 0
     assert figures["revocations"] == 4
+    if skip_renewal:  # this run's revoked nodes are the probe's, in a process of its own
+        assert figures["revocation_probe_nodes"] == 10
+        assert figures["revocation_ended_in_probe"] == figures["revocations"]
+    else:  # drawn from all the nodes
+        assert figures["revocation_probe_nodes"] == 0
+        assert figures["revocation_ended_in_probe"] is None
     # every revoked node's session got its signed notice from its gateway, which timed it
     assert figures["revocation_gateway_pushed"] == figures["revocations"]
     assert figures["revocation_gateway_p99_ms"] is not None
