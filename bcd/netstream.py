@@ -1,4 +1,4 @@
-"""A trio stream as httpcore's network stream (the node's transport, the relay's)."""
+"""A trio stream as httpcore's network stream (the node's transport)."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def _fileno_of(stream: trio.abc.Stream) -> int | None:
 
 class NetworkStream(httpcore.AsyncNetworkStream):
     """A trio stream as httpcore's network stream, its TLS done by whoever opened it
-    (the node's dial; :mod:`control.relay`'s backend does its own in ``start_tls``)."""
+    (the node's dial)."""
 
     def __init__(self, stream: trio.abc.Stream) -> None:
         self._stream = stream

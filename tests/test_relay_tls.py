@@ -7,11 +7,14 @@ from __future__ import annotations
 import functools
 import os
 import ssl
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import pytest
 import trio
 
-from control import http
+from control import http, relay
+from control.errors import ControlError
 from control.metrics import Metrics
 from control.relay import RelayClient
 from tests.adversarial.test_review_fixes import _replica
@@ -95,3 +98,162 @@ async def test_a_connection_above_select_s_descriptor_range_is_still_kept_alive(
     finally:
         for fd in filler:
             os.close(fd)
+
+
+def _raw_upstream(
+    nursery: trio.Nursery,
+    answer: Callable[[int], Awaitable[bytes]],
+    connections: list[int],
+    hang_up: bool = False,
+) -> Awaitable[str]:
+    """A plain-HTTP upstream: each request read whole (head and ``content-length``
+    body) is answered with ``answer(n)`` (the n-th request, counted from 1), as raw
+    bytes, on a connection kept open until the relay closes it (with ``hang_up``:
+    closed after each answer, without saying so); ``connections`` gets one entry per
+    connection accepted."""
+    served = [0]
+
+    async def peer(tcp: trio.SocketStream) -> None:
+        connections.append(len(connections) + 1)
+        got = b""
+        while True:
+            while b"\r\n\r\n" not in got:
+                data = await tcp.receive_some(65536)
+                if not data:
+                    return
+                got += data
+            head, _, got = got.partition(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n")[1:]:
+                name, _, value = line.partition(b":")
+                if name.strip().lower() == b"content-length":
+                    length = int(value)
+            while len(got) < length:
+                got += await tcp.receive_some(65536)
+            got = got[length:]
+            served[0] += 1
+            await tcp.send_all(await answer(served[0]))
+            if hang_up:
+                return await tcp.aclose()
+
+    async def start() -> str:
+        listeners = await nursery.start(
+            functools.partial(trio.serve_tcp, peer, 0, host="127.0.0.1")
+        )
+        return f"http://127.0.0.1:{listeners[0].socket.getsockname()[1]}"
+
+    return start()
+
+
+def _ok(body: bytes) -> bytes:
+    return b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def test_an_idle_connection_the_upstream_closed_is_not_reused(
+    nursery: trio.Nursery,
+) -> None:
+    """The upstream answers and hangs up (its idle timeout, a restart): the relay sees
+    the idle connection readable when it takes it, closes it and dials anew, so the
+    next call is answered, not lost on a dead connection."""
+    connections: list[int] = []
+
+    async def answer(n: int) -> bytes:
+        return _ok(b"signed%d" % n)
+
+    url = await _raw_upstream(nursery, answer, connections, hang_up=True)
+    client = RelayClient([url], ssl.create_default_context())
+    assert (await client.forward(_request(b"1"))).body == b"signed1"
+    await trio.sleep(0.05)  # the upstream's close has reached the relay's socket
+    second = await client.forward(_request(b"2"))
+    assert (second.status, second.body, connections) == (200, b"signed2", [1, 2])
+    await client.aclose()
+
+
+async def test_a_connection_idle_past_the_keepalive_is_not_reused(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(relay, "KEEPALIVE_S", 0.05)
+    seen: list[bytes] = []
+    outcomes: list[str] = []
+    url = await _upstream(nursery, tmp_path, seen, outcomes)
+    client = RelayClient([url], ssl.create_default_context(cadata=_pem(material().ca)))
+    assert (await client.forward(_request(b"a"))).body == b"signed:a"
+    assert (await client.forward(_request(b"b"))).body == b"signed:b"  # at once: reused
+    assert outcomes == ["completed"]
+    await trio.sleep(0.1)
+    assert (await client.forward(_request(b"c"))).body == b"signed:c"
+    assert outcomes == ["completed", "completed"]  # a new handshake after the keep-alive
+    await client.aclose()
+
+
+async def test_bytes_after_an_answer_are_never_read_as_the_next_call_s_answer(
+    nursery: trio.Nursery,
+) -> None:
+    """An upstream that sends more than its answer (a second answer nobody asked for):
+    the connection is closed, not reused, so the next call gets its own answer."""
+    connections: list[int] = []
+
+    async def answer(n: int) -> bytes:
+        return _ok(b"signed%d" % n) + _ok(b"forged")
+
+    url = await _raw_upstream(nursery, answer, connections)
+    client = RelayClient([url], ssl.create_default_context())
+    assert (await client.forward(_request(b"1"))).body == b"signed1"
+    assert (await client.forward(_request(b"2"))).body == b"signed2"  # not "forged"
+    assert connections == [1, 2]
+    await client.aclose()
+
+
+async def test_an_answer_over_the_bound_is_not_relayed(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(relay, "MAX_ANSWER", 100)
+    connections: list[int] = []
+
+    async def answer(n: int) -> bytes:
+        return _ok(b"x" * 101)
+
+    url = await _raw_upstream(nursery, answer, connections)
+    client = RelayClient([url], ssl.create_default_context())
+    with pytest.raises(ControlError, match="did not answer") as unavailable:
+        await client.forward(_request(b"1"))
+    assert unavailable.value.code == "UNAVAILABLE"
+    assert client._idle == [[]]  # that connection was closed
+    await client.aclose()
+
+
+async def test_a_call_with_no_free_connection_moves_on_as_never_sent(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every connection busy (one here, 64 in a gateway): a call waits at most the pool
+    timeout for one, then goes to the next upstream as a call that never reached the
+    first; the busy connection, once done, is closed to make that room."""
+    monkeypatch.setattr(relay, "MAX_CONNECTIONS", 1)
+    monkeypatch.setattr(relay, "POOL_TIMEOUT_S", 0.2)
+    a_conns: list[int] = []
+    b_conns: list[int] = []
+
+    async def slow(n: int) -> bytes:
+        await trio.sleep(0.3)
+        return _ok(b"a")
+
+    async def fast(n: int) -> bytes:
+        return _ok(b"b")
+
+    a = await _raw_upstream(nursery, slow, a_conns)
+    b = await _raw_upstream(nursery, fast, b_conns)
+    metrics = Metrics()
+    client = RelayClient([a, b], ssl.create_default_context(), metrics=metrics)
+    answers: dict[str, bytes] = {}
+
+    async def call(name: str) -> None:
+        answers[name] = (await client.forward(_request(b"{}"))).body
+
+    async with trio.open_nursery() as calls:
+        calls.start_soon(call, "first")
+        await trio.sleep(0.05)
+        calls.start_soon(call, "second")
+    assert answers == {"first": b"a", "second": b"b"}
+    assert metrics.registry.get_sample_value("bc_relay_not_sent_total") == 1
+    assert (a_conns, b_conns) == ([1], [1])
+    await client.aclose()
