@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import select
 import ssl
+import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
 
 import h11
@@ -119,16 +120,25 @@ class _Upstream:
 
     @classmethod
     def parse(cls, url: str) -> _Upstream:
-        scheme, sep, rest = url.partition("://")
-        authority = rest.split("/", 1)[0]
-        host, colon, port_text = authority.rpartition(":")
-        if not colon:
-            host, port_text = authority, ("443" if scheme == "https" else "80")
-        if scheme not in ("https", "http") or not sep or not host or not port_text.isdigit():
+        """``https://host:port`` (``http://`` in tests): no path, query, fragment or
+        user, which a call would not carry anyway."""
+        try:
+            parts = urllib.parse.urlsplit(url)
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+        except ValueError:
+            parts, port = None, 0
+        if (
+            parts is None
+            or parts.scheme not in ("https", "http")
+            or not parts.hostname
+            or parts.path not in ("", "/")
+            or parts.query
+            or parts.fragment
+            or "@" in parts.netloc
+            or not parts.netloc.isascii()
+        ):
             raise ControlError("INVALID_CONFIG", f"not an upstream URL: {url!r}")
-        return cls(
-            url, scheme == "https", host.strip("[]"), int(port_text), authority.encode("ascii")
-        )
+        return cls(url, parts.scheme == "https", parts.hostname, port, parts.netloc.encode())
 
 
 @dataclasses.dataclass(eq=False)
@@ -185,7 +195,8 @@ class RelayClient:
         self._ctx = ctx
         self._preferred = 0
         self._idle: list[list[_Conn]] = [[] for _ in self._parsed]
-        self._slots = trio.Semaphore(MAX_CONNECTIONS)  # one per open connection
+        self._open_count = 0  # connections open, idle or busy: at most MAX_CONNECTIONS
+        self._changed = trio.Event()  # set when a connection goes idle or is closed
         self._up_checked_at = -1e9
         self._up = False
 
@@ -302,28 +313,43 @@ class RelayClient:
 
     async def _take(self, index: int, end: float) -> _Conn:
         """A live idle connection to upstream ``index`` (the most recent), or a new one
-        opened by ``end``; :class:`_NotSent` when neither."""
-        idle = self._idle[index]
+        opened by ``end``; :class:`_NotSent` when neither. With every connection open
+        and busy, the call waits (at most :data:`POOL_TIMEOUT_S`) for one to go idle,
+        which it takes (its upstream's) or closes to open its own (another's)."""
+        wait_until = min(end, trio.current_time() + POOL_TIMEOUT_S)
+        while True:
+            self._expire()
+            idle = self._idle[index]
+            while idle:
+                conn = idle.pop()
+                if not _readable(conn.fd):
+                    return conn  # the exchange's send is the checkpoint
+                self._discard(conn)
+            if self._open_count < MAX_CONNECTIONS or self._evict_one():
+                self._open_count += 1
+                try:
+                    return await self._open(self._parsed[index], end)
+                except BaseException:
+                    self._open_count -= 1
+                    self._notify()
+                    raise
+            with trio.move_on_at(wait_until):
+                await self._changed.wait()
+            if trio.current_time() >= wait_until:
+                raise _NotSent(f"no free connection within {POOL_TIMEOUT_S:g} s")
+
+    def _notify(self) -> None:
+        """Wake the calls waiting for a connection: one went idle or was closed."""
+        self._changed.set()
+        self._changed = trio.Event()
+
+    def _expire(self) -> None:
+        """Close every upstream's connections idle for :data:`KEEPALIVE_S` (the oldest
+        are first in each list)."""
         now = trio.current_time()
-        while idle and now - idle[0].idle_since >= KEEPALIVE_S:  # the oldest first
-            self._discard(idle.pop(0))
-        while idle:
-            conn = idle.pop()
-            if not _readable(conn.fd):
-                return conn  # the exchange's send is the checkpoint
-            self._discard(conn)
-        if self._slots.value == 0:
-            self._evict_one()  # an idle connection to another upstream makes room
-        try:
-            with trio.fail_at(min(end, trio.current_time() + POOL_TIMEOUT_S)):
-                await self._slots.acquire()
-        except trio.TooSlowError:
-            raise _NotSent(f"no free connection within {POOL_TIMEOUT_S:g} s") from None
-        try:
-            return await self._open(self._parsed[index], end)
-        except BaseException:
-            self._slots.release()
-            raise
+        for idle in self._idle:
+            while idle and now - idle[0].idle_since >= KEEPALIVE_S:
+                self._discard(idle.pop(0))
 
     async def _open(self, up: _Upstream, end: float) -> _Conn:
         """TCP, then TLS (:class:`bcd.tlsstream.SocketTLSStream`), each within
@@ -356,20 +382,24 @@ class RelayClient:
         return _Conn(tls, tls.fileno(), _client())
 
     def _discard(self, conn: _Conn) -> None:
-        """Close ``conn`` at once and free its slot."""
+        """Close ``conn`` at once; the calls waiting for a connection may open one."""
         if isinstance(conn.stream, SocketTLSStream):
             conn.stream.close()
         else:
             assert isinstance(conn.stream, trio.SocketStream)
             conn.stream.socket.close()
-        self._slots.release()
+        self._open_count -= 1
+        self._notify()
 
-    def _evict_one(self) -> None:
-        """Close the idle connection idle longest, of any upstream."""
+    def _evict_one(self) -> bool:
+        """Close the idle connection idle longest, of any upstream (whether there was
+        one)."""
         oldest = min((idle for idle in self._idle if idle), key=lambda i: i[0].idle_since,
                      default=None)  # fmt: skip
-        if oldest is not None:
-            self._discard(oldest.pop(0))
+        if oldest is None:
+            return False
+        self._discard(oldest.pop(0))
+        return True
 
     async def _exchange(
         self,
@@ -409,17 +439,16 @@ class RelayClient:
                 break
             elif isinstance(event, h11.ConnectionClosed):
                 raise _Broken("the upstream closed the connection before its answer ended")
-            # an InformationalResponse (1xx) is skipped
+            elif not isinstance(event, h11.InformationalResponse):  # a 1xx is skipped
+                raise _Broken(f"unexpected {type(event).__name__} in an answer")
         # reused only when both ends are done and the upstream sent nothing beyond its
         # answer (else the next call would read that as its own answer)
         done = http.our_state is h11.DONE and http.their_state is h11.DONE
-        # and closed when a call waits for a free connection, which may be to another
-        # upstream: it takes this one's place
-        waiting = self._slots.statistics().tasks_waiting
-        if done and http.trailing_data == (b"", False) and not waiting:
+        if done and http.trailing_data == (b"", False):
             http.start_next_cycle()
             conn.idle_since = trio.current_time()
             self._idle[index].append(conn)
+            self._notify()
         else:
             self._discard(conn)
         return status, answer_headers, bytes(answer)

@@ -65,7 +65,7 @@ async def test_an_upstream_whose_certificate_does_not_verify_is_never_sent_the_c
     nursery: trio.Nursery, tmp_path: Path
 ) -> None:
     """The relay's context trusts another CA: the handshake fails before a byte of the
-    call is sent, so the call moves to the next upstream (an httpcore connect error)."""
+    call is sent, so the call moves to the next upstream (a call never sent)."""
     seen: list[bytes] = []
     outcomes: list[str] = []
     unverified = await _upstream(nursery, tmp_path, seen, outcomes)
@@ -105,12 +105,13 @@ def _raw_upstream(
     answer: Callable[[int], Awaitable[bytes]],
     connections: list[int],
     hang_up: bool = False,
+    closed: list[int] | None = None,
 ) -> Awaitable[str]:
     """A plain-HTTP upstream: each request read whole (head and ``content-length``
     body) is answered with ``answer(n)`` (the n-th request, counted from 1), as raw
     bytes, on a connection kept open until the relay closes it (with ``hang_up``:
     closed after each answer, without saying so); ``connections`` gets one entry per
-    connection accepted."""
+    connection accepted, ``closed`` one per connection the relay closed."""
     served = [0]
 
     async def peer(tcp: trio.SocketStream) -> None:
@@ -120,6 +121,8 @@ def _raw_upstream(
             while b"\r\n\r\n" not in got:
                 data = await tcp.receive_some(65536)
                 if not data:
+                    if closed is not None:
+                        closed.append(len(closed) + 1)
                     return
                 got += data
             head, _, got = got.partition(b"\r\n\r\n")
@@ -257,3 +260,69 @@ async def test_a_call_with_no_free_connection_moves_on_as_never_sent(
     assert metrics.registry.get_sample_value("bc_relay_not_sent_total") == 1
     assert (a_conns, b_conns) == ([1], [1])
     await client.aclose()
+
+
+async def test_a_call_waiting_for_a_connection_takes_the_one_that_goes_idle(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every connection busy, a call for the same upstream waits and then takes the one
+    that goes idle: no new handshake under load."""
+    monkeypatch.setattr(relay, "MAX_CONNECTIONS", 1)
+    conns: list[int] = []
+
+    async def slow(n: int) -> bytes:
+        await trio.sleep(0.2)
+        return _ok(b"%d" % n)
+
+    url = await _raw_upstream(nursery, slow, conns)
+    metrics = Metrics()
+    client = RelayClient([url], ssl.create_default_context(), metrics=metrics)
+    answers: list[bytes] = []
+
+    async def call() -> None:
+        answers.append((await client.forward(_request(b"{}"))).body)
+
+    async with trio.open_nursery() as calls:
+        calls.start_soon(call)
+        await trio.sleep(0.05)
+        calls.start_soon(call)
+    assert (sorted(answers), conns) == ([b"1", b"2"], [1])
+    assert metrics.registry.get_sample_value("bc_relay_not_sent_total") == 0  # no wait out
+    await client.aclose()
+
+
+async def test_idle_connections_to_an_upstream_no_longer_called_are_closed(
+    nursery: trio.Nursery, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After the calls moved to another upstream, the idle connections to the first are
+    closed after the keep-alive all the same, not held open."""
+    monkeypatch.setattr(relay, "KEEPALIVE_S", 0.05)
+    a_conns: list[int] = []
+    a_closed: list[int] = []
+    b_conns: list[int] = []
+
+    async def answer(n: int) -> bytes:
+        return _ok(b"ok")
+
+    a = await _raw_upstream(nursery, answer, a_conns, closed=a_closed)
+    b = await _raw_upstream(nursery, answer, b_conns)
+    client = RelayClient([a, b], ssl.create_default_context())
+    await client.forward(_request(b"{}"))
+    assert (a_conns, a_closed) == ([1], [])
+    client._preferred = 1  # the calls go to b from now on (as after a failover)
+    await trio.sleep(0.1)
+    await client.forward(_request(b"{}"))
+    await trio.sleep(0.05)
+    assert (a_closed, b_conns) == ([1], [1])
+    await client.aclose()
+
+
+@pytest.mark.parametrize(
+    "url",
+    ["https://api.internal:9443/prefix", "https://u:p@api.internal:9443", "ftp://api.internal",
+     "https://api.internal:9443?x=1", "https://api.internal:99999", "https://:9443"],
+)  # fmt: skip
+def test_an_upstream_url_with_more_than_a_scheme_host_and_port_is_refused(url: str) -> None:
+    with pytest.raises(ControlError, match="not an upstream URL") as refused:
+        RelayClient([url], ssl.create_default_context())
+    assert refused.value.code == "INVALID_CONFIG"
