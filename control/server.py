@@ -462,13 +462,14 @@ def _gateway_parts(
     for url in api_upstreams:
         if not url.startswith("https://"):
             raise ControlError("INVALID_ARGUMENT", f"--api-upstream {url}: must be https://")
+    # each upstream URL checked (scheme, host and port only) before the database is opened
+    relay_client = RelayClient(api_upstreams, relay.client_context(bundle), metrics=metrics)
     try:
         store = open_store(db_url, read_only=True, timeout=5.0)
     except ValueError as exc:
         raise ControlError("INVALID_ARGUMENT", str(exc)) from exc
     store.on_tx = metrics.observe_tx
     limiter = trio.CapacityLimiter(8)
-    relay_client = RelayClient(api_upstreams, relay.client_context(bundle), metrics=metrics)
 
     ready = _Readiness(store, limiter, upstream=relay_client)
     _check_schema(store)

@@ -204,6 +204,11 @@ def test_a_gateway_refuses_the_secret_and_a_login_outside_its_role(
                    env=cli_env(tmp_path, secret=False))  # fmt: skip
         assert done.returncode == 2
         assert "--downloads is for --role api or all" in done.stderr
+        with_path = [*base, "--api-upstream", relay_url(f.api) + "/prefix"]
+        done = run([*with_path, "--db", f.gateway_db_url], env=cli_env(tmp_path, secret=False))
+        assert done.returncode == 1  # the relay would not send a path: refused, not dropped
+        assert "INVALID_CONFIG: not an upstream URL" in done.stderr
+        assert "Traceback" not in done.stderr
         done = run([*base, "--db", pg_schema_url(f.schema)], env=cli_env(tmp_path, secret=False))
         assert done.returncode == 1  # the owner's login can write: not a gateway's
         assert "can write admission tables" in done.stderr
