@@ -5,8 +5,8 @@ Run from the repository root::
 
     .venv/bin/python bench/fleet.py --nodes N [--procs P] [--gateways G]
         [--concurrency C] [--ping-seconds S] [--steady-pings K] [--cert-ttl S]
-        [--revocations R] [--skip-renewal] [--no-vacuum] [--out DIR] [--profile]
-        [--instructions]
+        [--revocations R] [--probe-nodes K] [--skip-renewal] [--no-vacuum] [--out DIR]
+        [--profile] [--instructions]
 
 It prints figures and judges nothing (every phase prints its error count, which should
 be 0); ``tests/test_fleet_sim.py`` runs it small and checks only that outcome.
@@ -50,7 +50,8 @@ gateway admits at most 1,024 connections per source address.
 3. *renewal wave*: every node renews once (C at a time per process), its session staying
    up on the old certificate;
 4. *revocations*: R random nodes (default min(200, N/10)) revoked through the API replica
-   (4 calls at a time); latency from the call to the moment the node's session task
+   (4 calls at a time), drawn from N from 10,000 on from the probe's nodes, a light
+   simulator process of their own (``--probe-nodes``, :func:`probe_default`); latency from the call to the moment the node's session task
    raised ``CertificateRevoked`` (the signed revocation line); no other session may drop.
    Beside it, apart: the gateways' own share, from the revoking transaction's
    ``revoked_at`` to the notice queued on the session (their
@@ -58,7 +59,7 @@ gateway admits at most 1,024 connections per source address.
    buckets, and the notices pushed), and the call's start to the moment each node's bcd
    had verified the signed notice (its "certificate revoked" log record, timed in the
    simulator): what is left is the simulator receiving the line, checking it and ending
-   the session, on a process that holds N/P nodes;
+   the session, on a process that holds N/P nodes (the probe's 1,000, with a probe);
 5. *gateway restart*: ``kill -9`` of gw1; its nodes redial with bcd's backoff, through
    the others; the time until each of the sessions gw1 held (counted by the simulators
    before the kill) was lost and every live node holds a session again, and the
