@@ -32,6 +32,20 @@ def _fileno_of(stream: trio.abc.Stream) -> int | None:
     return fd if isinstance(fd, int) and fd >= 0 else None
 
 
+def fd_readable(fd: int) -> bool:
+    """Whether an idle connection's socket has something to read: its peer closed it, or
+    sent what it should not have; either way it is not reused (the node's kept-alive
+    connections, the gateway's relay to the API replicas). ``poll``, not ``select``: a
+    gateway's descriptors are far above select's 1,024, where each would read as closed.
+    A descriptor that poll cannot check counts as readable, so it is not reused."""
+    poller = select.poll()
+    try:
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(0))
+    except (OSError, ValueError):
+        return True
+
+
 class NetworkStream(httpcore.AsyncNetworkStream):
     """A trio stream as httpcore's network stream, its TLS done by whoever opened it
     (the node's dial)."""
@@ -73,16 +87,7 @@ class NetworkStream(httpcore.AsyncNetworkStream):
     def get_extra_info(self, info: str) -> Any:
         if info == "is_readable":  # an idle connection the peer closed is not reused
             fd = _fileno_of(self._stream)
-            if fd is None:
-                return True
-            # poll, not select: a gateway's relay connections have descriptors far
-            # above select's 1,024, and each would read as closed, never reused
-            poller = select.poll()
-            try:
-                poller.register(fd, select.POLLIN)
-                return bool(poller.poll(0))
-            except (OSError, ValueError):
-                return True
+            return True if fd is None else fd_readable(fd)
         if info == "ssl_object":
             return getattr(self._stream, "_ssl_object", None)
         return None

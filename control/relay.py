@@ -40,7 +40,6 @@ import base64
 import binascii
 import dataclasses
 import logging
-import select
 import ssl
 import urllib.parse
 from collections.abc import Awaitable, Callable, Sequence
@@ -48,6 +47,7 @@ from collections.abc import Awaitable, Callable, Sequence
 import h11
 import trio
 
+from bcd.netstream import fd_readable
 from bcd.tlsstream import SocketTLSStream
 from control import discovery, nodefacts
 from control.errors import ControlError
@@ -151,25 +151,6 @@ class _Conn:
     idle_since: float = 0.0
 
 
-def _readable(fd: int) -> bool:
-    """Whether an idle connection has something to read: the upstream closed it (or
-    sent what it should not have); either way it is not reused. ``poll``, not
-    ``select``: a gateway's descriptors are far above select's 1,024."""
-    poller = select.poll()
-    try:
-        poller.register(fd, select.POLLIN)
-        return bool(poller.poll(0))
-    except (OSError, ValueError):
-        return True
-
-
-def _fd_of(stream: trio.abc.Stream) -> int:
-    if isinstance(stream, SocketTLSStream):
-        return stream.fileno()
-    assert isinstance(stream, trio.SocketStream)
-    return stream.socket.fileno()
-
-
 class RelayClient:
     """Relays node calls to API replicas over kept-alive connections, HTTP/1.1 by h11.
 
@@ -254,31 +235,24 @@ class RelayClient:
         url = self.upstreams[index] + req.path
         end = min(trio.current_time() + ATTEMPT_S, deadline)
         try:
-            conn = await self._take(index, end)
+            status, answer_headers, body = await self._call(
+                index, b"POST", req.path, headers, req.body, end
+            )
         except _NotSent as exc:  # nothing reached that replica: the next one may
             self.metrics.relay_not_sent.inc()
             log.warning("relay to %s failed (%s); trying the next", url, exc)
             return None
-        try:
-            with trio.fail_at(end):
-                status, answer_headers, body = await self._exchange(
-                    index, conn, b"POST", req.path, headers, req.body
-                )
         except (*_TRANSPORT, trio.TooSlowError) as exc:
             # The call may be running there still: sending it to another replica too
             # could judge it twice (a second node for an untrusted key, a renewal
             # refused as a replay while the first was issued). The node retries it.
-            self._discard(conn)
             self._preferred = (index + 1) % len(self.upstreams)
-            log.warning("relay to %s failed after sending (%s)", url, _why(exc))
+            log.warning("relay to %s failed after sending (%s)", url, type(exc).__name__)
             raise ControlError(
                 "UNAVAILABLE",
                 "the JoinService replica did not answer; retry",
                 retry_after_ms=NONE_UP_PUSHBACK_MS,
             ) from exc
-        except BaseException:  # cancelled (the node gone, a drain): no leak
-            self._discard(conn)
-            raise
         self._preferred = index
         return Response(status, body, _passed(answer_headers))
 
@@ -291,23 +265,35 @@ class RelayClient:
         for index in self._order():
             end = trio.current_time() + HEALTH_TIMEOUT_S
             try:
-                conn = await self._take(index, end)
-            except _NotSent:
+                status, _, _ = await self._call(index, b"GET", "/readyz", [], b"", end)
+            except (_NotSent, *_TRANSPORT, trio.TooSlowError):
                 continue
-            try:
-                with trio.fail_at(end):
-                    status, _, _ = await self._exchange(index, conn, b"GET", "/readyz", [], b"")
-            except (*_TRANSPORT, trio.TooSlowError):
-                self._discard(conn)
-                continue
-            except BaseException:
-                self._discard(conn)
-                raise
             if status == 200:
                 self._up = True
                 return True
         self._up = False
         return False
+
+    async def _call(
+        self,
+        index: int,
+        method: bytes,
+        path: str,
+        headers: list[tuple[bytes, bytes]],
+        body: bytes,
+        end: float,
+    ) -> tuple[int, list[tuple[bytes, bytes]], bytes]:
+        """One request to upstream ``index`` and its whole answer, by ``end``.
+        :class:`_NotSent` when no connection was had (nothing was sent); after that a
+        :data:`_TRANSPORT` failure or :class:`trio.TooSlowError`, the connection closed
+        on any failure (cancellation included: no leak)."""
+        conn = await self._take(index, end)
+        try:
+            with trio.fail_at(end):
+                return await self._exchange(index, conn, method, path, headers, body)
+        except BaseException:
+            self._discard(conn)
+            raise
 
     # --- the pool ---------------------------------------------------------------------
 
@@ -322,7 +308,7 @@ class RelayClient:
             idle = self._idle[index]
             while idle:
                 conn = idle.pop()
-                if not _readable(conn.fd):
+                if not fd_readable(conn.fd):
                     return conn  # the exchange's send is the checkpoint
                 self._discard(conn)
             if self._open_count < MAX_CONNECTIONS or self._evict_one():
@@ -362,7 +348,7 @@ class RelayClient:
         except OSError as exc:
             raise _NotSent(f"connecting to {up.host}:{up.port}: {exc}") from None
         if not up.tls:
-            return _Conn(tcp, _fd_of(tcp), _client())
+            return _Conn(tcp, tcp.socket.fileno(), _client())
         try:
             tls = SocketTLSStream(tcp, self._ctx, server_hostname=up.host)
         except trio.BrokenResourceError as exc:
@@ -468,11 +454,6 @@ _TRANSPORT = (
     _Broken,
     _TooLarge,
 )
-
-
-def _why(exc: BaseException) -> str:
-    """A failure's name for the log (never the answer's text: a replica's bytes)."""
-    return type(exc).__name__
 
 
 def _passed(headers: Sequence[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
